@@ -1,0 +1,128 @@
+//! Communication-buffer layout and the arguments of the peer-buffer allreduce ops.
+//!
+//! Every rank owns one shareable communication buffer laid out as
+//!
+//! ```text
+//! [ signal area: SIGNAL_BYTES ][ data slot 0: data_bytes ][ data slot 1: data_bytes ]
+//! ```
+//!
+//! Call number `epoch` (1, 2, 3, … never reset) uses data slot `epoch % 2`. Two slots are needed
+//! because a fast rank may start call e+1 while a slow peer is still reading its slot of call e;
+//! it cannot reach call e+2 (and overwrite slot e % 2 again) before every peer has raised its
+//! flag for e+1, which each peer does only after it finished reading call e.
+//!
+//! The signal area holds the flags, one u32 per (phase, sender), each on its own 64-byte line
+//! so that different senders never write the same cache line. Rank `s` raises flag
+//! (phase, s) in peer `q`'s signal area by storing the epoch there. Epochs wrap at 2^32: a
+//! waiter compares with `(flag - epoch) as i32 >= 0`, which is right while peers are less than
+//! 2^31 calls apart (they are at most one call apart).
+
+use std::sync::atomic::AtomicU32;
+use std::time::Duration;
+
+use crate::View;
+
+/// Largest world size the layout has room for.
+pub const MAX_WORLD: usize = 64;
+/// Phases that have their own flags: 0 = inputs published, 1 = reduced slices published.
+pub const PHASES: usize = 2;
+/// Bytes between two flags (one cache line; 64 B on x86-64 and the GPUs we target).
+pub const FLAG_STRIDE: usize = 64;
+/// The signal area: room for the CPU flags (PHASES × MAX_WORLD × FLAG_STRIDE = 8 KiB) and for
+/// GPU backends' per-block flags.
+pub const SIGNAL_BYTES: usize = 256 * 1024;
+
+/// Which algorithm a peer-buffer allreduce uses (the `host` algorithm is composed by the rank
+/// out of `Copy`, `ReduceSum` and host barriers, so it has no op of its own).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CommAlgo {
+    /// Every rank publishes its input, then reads every peer's and reduces all of it.
+    Oneshot,
+    /// Reduce-scatter (rank r reduces slice r) then all-gather of the reduced slices.
+    Twoshot,
+}
+
+/// Sizes of one rank's communication buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CommLayout {
+    /// Capacity of each data slot in bytes (the largest message).
+    pub data_bytes: usize,
+}
+
+impl CommLayout {
+    pub fn new(max_message_bytes: usize) -> Self {
+        // Round to 4 KiB so that slot 1 starts page- (and 16-byte vector-) aligned.
+        CommLayout {
+            data_bytes: max_message_bytes.max(1).div_ceil(4096) * 4096,
+        }
+    }
+
+    pub fn total_bytes(&self) -> usize {
+        SIGNAL_BYTES + 2 * self.data_bytes
+    }
+
+    pub fn slot_offset(&self, epoch: u32) -> usize {
+        SIGNAL_BYTES + (epoch as usize % 2) * self.data_bytes
+    }
+
+    /// Byte offset of the flag that `sender` raises in a receiver's signal area for `phase`.
+    pub fn flag_offset(phase: usize, sender: usize) -> usize {
+        debug_assert!(phase < PHASES && sender < MAX_WORLD);
+        (phase * MAX_WORLD + sender) * FLAG_STRIDE
+    }
+}
+
+/// The elements of `len` that rank `r` of `world` owns in the reduce-scatter: contiguous,
+/// as even as possible, the first `len % world` ranks one element more.
+pub fn shard_range(len: usize, world: usize, r: usize) -> std::ops::Range<usize> {
+    let base = len / world;
+    let extra = len % world;
+    let start = r * base + r.min(extra);
+    let end = start + base + usize::from(r < extra);
+    start..end
+}
+
+/// Arguments of [`crate::Op::Allreduce`].
+pub struct AllreduceArgs<'a, B> {
+    pub algo: CommAlgo,
+    pub rank: usize,
+    pub world: usize,
+    /// This call's number, starting at 1 and increasing by one per call on every rank.
+    pub epoch: u32,
+    /// In: this rank's partial. Out: the sum over ranks. Must fit in `layout.data_bytes`.
+    pub data: View<'a, B>,
+    /// Every rank's communication buffer, this rank's own at index `rank`.
+    pub comm: &'a [&'a B],
+    pub layout: CommLayout,
+    /// The longest a flag wait may take before the op fails with a timeout.
+    pub timeout: Duration,
+    /// The job's abort word (non-zero = stop); host-side waits check it.
+    pub abort: Option<&'a AtomicU32>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shard_ranges_cover_without_overlap() {
+        for len in [0, 1, 2, 7, 172, 1000] {
+            for world in 1..=9 {
+                let mut next = 0;
+                for r in 0..world {
+                    let s = shard_range(len, world, r);
+                    assert_eq!(s.start, next);
+                    next = s.end;
+                }
+                assert_eq!(next, len);
+            }
+        }
+    }
+
+    #[test]
+    fn flags_fit_in_signal_area() {
+        assert!(CommLayout::flag_offset(PHASES - 1, MAX_WORLD - 1) + FLAG_STRIDE <= SIGNAL_BYTES);
+        let l = CommLayout::new(5);
+        assert_eq!(l.slot_offset(1) - l.slot_offset(2), 4096);
+    }
+}

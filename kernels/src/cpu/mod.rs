@@ -1,0 +1,136 @@
+//! The CPU backend: "device memory" is host memory, shareable buffers are memfds mapped
+//! `MAP_SHARED`, and ops run on this process's threads (`threads`, see [`CpuDevice::new`]).
+//!
+//! Every op has the same semantics as on a GPU backend, so the CPU versions double as the
+//! reference (the "CPU twin") that GPU kernels are tested against.
+
+mod allreduce;
+mod buf;
+mod reduce;
+pub mod wait;
+
+pub use buf::CpuBuf;
+
+use std::os::fd::AsFd;
+
+use crate::device::{Device, DeviceInfo, Export, ExportMeta, Op};
+use crate::{KernelError, Result};
+
+/// One rank's CPU "device".
+pub struct CpuDevice {
+    /// Threads an op may use (available cores / ranks on the machine, at least 1).
+    threads: usize,
+    /// Spin iterations before a flag wait sleeps on its futex; small when ranks outnumber
+    /// cores, so that a waiting rank yields its core to the rank it waits for.
+    spin: u32,
+    ordinal: usize,
+}
+
+impl CpuDevice {
+    pub fn new(ordinal: usize, threads: usize, spin: u32) -> Self {
+        CpuDevice {
+            threads: threads.max(1),
+            spin,
+            ordinal,
+        }
+    }
+
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    pub(crate) fn spin(&self) -> u32 {
+        self.spin
+    }
+}
+
+impl Device for CpuDevice {
+    type Buf = CpuBuf;
+
+    fn info(&self) -> DeviceInfo {
+        DeviceInfo {
+            backend: "cpu".into(),
+            ordinal: self.ordinal,
+            name: "cpu".into(),
+            memory: 0,
+            arch: std::env::consts::ARCH.into(),
+            uuid: format!("cpu:{}", self.ordinal),
+        }
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<CpuBuf> {
+        CpuBuf::heap(bytes)
+    }
+
+    fn alloc_shared(&self, bytes: usize) -> Result<(CpuBuf, Export)> {
+        let (buf, fd) = CpuBuf::memfd(bytes)?;
+        Ok((
+            buf,
+            Export {
+                meta: ExportMeta::Memfd { bytes },
+                fd: Some(fd),
+            },
+        ))
+    }
+
+    fn import(&self, export: Export) -> Result<CpuBuf> {
+        match (export.meta, export.fd) {
+            (ExportMeta::Memfd { bytes }, Some(fd)) => CpuBuf::map_memfd(fd.as_fd(), bytes),
+            (meta, _) => Err(KernelError::Invalid(format!(
+                "the cpu backend cannot import {meta:?} (a peer on another backend?)"
+            ))),
+        }
+    }
+
+    fn write(&self, dst: &CpuBuf, offset: usize, src: &[u8]) -> Result<()> {
+        dst.check(offset, src.len())?;
+        // SAFETY: the range was bounds-checked above; `src` is a host slice that cannot alias
+        // device memory handed out as `&mut` (callers never hold slices of a CpuBuf across ops).
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.ptr().add(offset), src.len()) };
+        Ok(())
+    }
+
+    fn read(&self, src: &CpuBuf, offset: usize, dst: &mut [u8]) -> Result<()> {
+        src.check(offset, dst.len())?;
+        // SAFETY: bounds-checked above; `dst` is a separate host slice.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.ptr().add(offset), dst.as_mut_ptr(), dst.len())
+        };
+        Ok(())
+    }
+
+    fn run(&self, op: &Op<'_, CpuBuf>) -> Result<()> {
+        match op {
+            Op::Copy { src, dst } => reduce::copy(self, src, dst),
+            Op::ReduceSum { inputs, out } => reduce::reduce_sum(self, inputs, out),
+            Op::Allreduce(args) => allreduce::allreduce(self, args),
+        }
+    }
+
+    fn sync(&self) -> Result<()> {
+        // Ops run synchronously on the calling thread (and scoped helpers): nothing is queued.
+        Ok(())
+    }
+}
+
+/// Splits `0..len` into at most `threads` contiguous ranges and runs `f` on each, in parallel
+/// when the work is large enough to pay for starting threads (~20 µs each).
+pub(crate) fn par_ranges(
+    threads: usize,
+    len: usize,
+    min_per_thread: usize,
+    f: impl Fn(std::ops::Range<usize>) + Sync,
+) {
+    let n = threads.min(len / min_per_thread.max(1)).max(1);
+    if n == 1 {
+        f(0..len);
+        return;
+    }
+    std::thread::scope(|s| {
+        for t in 1..n {
+            let f = &f;
+            s.spawn(move || f(crate::comm::shard_range(len, n, t)));
+        }
+        f(crate::comm::shard_range(len, n, 0));
+    });
+}

@@ -1,0 +1,20 @@
+//! tprun-kernels: the device layer.
+//!
+//! Owns the [`Device`] trait (buffers, copies, synchronisation, shareable buffers and the one
+//! op dispatch point [`Device::run`]) and its backends. The `cpu` backend runs everything on
+//! host memory, with shareable buffers as memfds, so that the whole multi-process machinery
+//! works on any machine.
+//!
+//! Must not: know about processes, sockets or models. Anything that crosses a process boundary
+//! arrives here as an already-received file descriptor or handle ([`Export`]).
+
+pub mod comm;
+pub mod cpu;
+pub mod device;
+pub mod dtype;
+pub mod error;
+
+pub use comm::{AllreduceArgs, CommAlgo, CommLayout};
+pub use device::{Device, DeviceInfo, Export, ExportMeta, Op, View};
+pub use dtype::DType;
+pub use error::{KernelError, Result};
