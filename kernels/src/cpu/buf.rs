@@ -109,7 +109,7 @@ impl CpuBuf {
         debug_assert_eq!(std::mem::size_of::<T>(), dtype.size());
         self.check(offset, len * dtype.size())?;
         let p = self.ptr().wrapping_add(offset);
-        if (p as usize) % std::mem::align_of::<T>() != 0 {
+        if !(p as usize).is_multiple_of(std::mem::align_of::<T>()) {
             return Err(KernelError::Invalid(format!(
                 "offset {offset} is not aligned for {dtype}"
             )));

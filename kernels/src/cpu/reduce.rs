@@ -108,7 +108,7 @@ pub(crate) unsafe fn sum_range<T: Elem>(
     while start < r.end {
         let n = BLOCK.min(r.end - start);
         let acc = &mut acc[..n];
-        // SAFETY (all blocks below): start..start+n lies inside r, valid per the contract.
+        // SAFETY: start..start+n lies inside r, valid per the contract.
         let first = unsafe { std::slice::from_raw_parts(ins[0].get().add(start), n) };
         for (a, x) in acc.iter_mut().zip(first) {
             *a = x.to_f32();
