@@ -1,1 +1,184 @@
-fn main() {}
+//! tprun: the coordinator binary. Glues the crates together: parses the CLI, validates it into
+//! [`Settings`], starts and supervises jobs, prints tables and text. It never touches device
+//! memory; ranks (re-executions of this binary as `tprun rank`) do.
+
+mod bench;
+mod cli;
+mod launch;
+mod sizes;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use cli::{BackendArg, BenchCommand, Cli, Command, IpcArg};
+use launch::Launch;
+use tprun_ipc::control::MAX_RANKS;
+use tprun_rank::job::{Backend, IpcMode, JobSpec, Task};
+
+/// Validated global settings.
+pub struct Settings {
+    pub world: usize,
+    pub devices: Vec<usize>,
+    pub backend: Backend,
+    pub ipc: IpcMode,
+    pub timeout: Duration,
+}
+
+impl Settings {
+    fn from_cli(cli: &Cli) -> Result<Settings, String> {
+        let world = match (cli.ranks, &cli.devices) {
+            (Some(n), _) => n,
+            (None, Some(d)) => d.len(),
+            (None, None) => 1,
+        };
+        if world == 0 || world > MAX_RANKS {
+            return Err(format!(
+                "--ranks must be between 1 and {MAX_RANKS}, got {world}"
+            ));
+        }
+        let devices = match &cli.devices {
+            Some(d) if d.len() != world => {
+                return Err(format!(
+                    "--devices lists {} device(s) for {world} rank(s); give one per rank",
+                    d.len()
+                ))
+            }
+            Some(d) => d.clone(),
+            None => (0..world).collect(),
+        };
+        if !(cli.timeout.is_finite() && cli.timeout > 0.0) {
+            return Err(format!(
+                "--timeout must be a positive number of seconds, got {}",
+                cli.timeout
+            ));
+        }
+        let backend = match cli.backend {
+            BackendArg::Cpu => Backend::Cpu,
+            // GPU backends are detected here once they exist; until then auto means cpu.
+            BackendArg::Auto => Backend::Cpu,
+            BackendArg::Cuda => {
+                return Err(
+                    "backend 'cuda' is not usable: this build has no CUDA backend yet".into(),
+                )
+            }
+            BackendArg::Hip => {
+                return Err("backend 'hip' is not usable: this build has no HIP backend yet".into())
+            }
+        };
+        let ipc = match cli.ipc {
+            IpcArg::Auto => IpcMode::Auto,
+            IpcArg::Fd => IpcMode::Fd,
+            IpcArg::Legacy => IpcMode::Legacy,
+        };
+        Ok(Settings {
+            world,
+            devices,
+            backend,
+            ipc,
+            timeout: Duration::from_secs_f64(cli.timeout),
+        })
+    }
+
+    pub fn launch(&self, task: Task) -> Launch {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Launch {
+            world: self.world,
+            devices: self.devices.clone(),
+            timeout: self.timeout,
+            spec: JobSpec {
+                backend: self.backend,
+                ipc: self.ipc,
+                timeout_ms: self.timeout.as_millis() as u64,
+                threads: (cores / self.world).max(1),
+                oversubscribed: self.world > cores,
+                task,
+            },
+        }
+    }
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TPRUN_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .without_time()
+        .try_init();
+}
+
+fn main() -> ExitCode {
+    init_logging();
+    let cli = Cli::parse();
+    ExitCode::from(run(cli).clamp(0, 255) as u8)
+}
+
+fn run(cli: Cli) -> i32 {
+    if let Command::Rank(args) = &cli.command {
+        return run_rank(args);
+    }
+    let settings = match Settings::from_cli(&cli) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            eprintln!("hint: see tprun --help");
+            return 2;
+        }
+    };
+    let result = match &cli.command {
+        Command::Bench {
+            what: BenchCommand::Allreduce(a),
+        } => bench::run(&settings, a),
+        Command::Rank(_) => unreachable!("handled above"),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e}");
+            e.exit_code()
+        }
+    }
+}
+
+fn run_rank(args: &cli::RankArgs) -> i32 {
+    let token = match &args.token_file {
+        Some(f) => std::fs::read_to_string(f)
+            .map_err(|e| format!("reading token file {}: {e}", f.display())),
+        None => std::env::var("TPRUN_JOB_TOKEN")
+            .map_err(|_| "no job token: set TPRUN_JOB_TOKEN or pass --token-file".to_string()),
+    }
+    .and_then(|t| {
+        launch::parse_hex_token(&t).ok_or_else(|| "the job token is not 32 hex digits".into())
+    });
+    let token = match token {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
+    let opts = tprun_rank::run::RankOptions {
+        socket: args.join.clone(),
+        rank: args.rank,
+        token,
+        device: args.device,
+    };
+    match tprun_rank::run::run(opts) {
+        Ok(()) => 0,
+        Err(e) if e.is_abort() => 3,
+        Err(e) => {
+            // The coordinator got the same message as `Failed` and reports it; a rank started
+            // by hand has nobody else to tell.
+            tracing::debug!("rank {} failed: {e}", args.rank);
+            if std::env::var_os("TPRUN_JOB_TOKEN").is_none() {
+                eprintln!("error: {e}");
+            }
+            if e.is_timeout() {
+                4
+            } else {
+                1
+            }
+        }
+    }
+}

@@ -47,16 +47,20 @@ pub enum Msg {
         token: [u8; 16],
         rank: u32,
         pid: u32,
-        device: String,
-        device_uuid: String,
     },
     /// coordinator → rank: admitted. Carries the job spec (opaque to this crate) and, as its
     /// one descriptor, the control-block memfd.
     Welcome { world: u32, job: Vec<u8> },
     /// coordinator → client: not admitted, and why. The connection is closed after it.
     Refused { reason: String },
-    /// rank → coordinator: this rank's shareable buffers; descriptors in item order.
-    Export { items: Vec<ExportItem> },
+    /// rank → coordinator: the device this rank runs on (description and a stable identity,
+    /// to name it in errors and to notice ranks sharing a device) and its shareable buffers;
+    /// descriptors in item order.
+    Export {
+        device: String,
+        device_uuid: String,
+        items: Vec<ExportItem>,
+    },
     /// coordinator → rank: every rank's exports, indexed by rank; descriptors in order.
     Peers { items: Vec<Vec<ExportItem>> },
     /// rank → coordinator: a result (bench row, decode statistics), opaque to this crate.

@@ -1,13 +1,18 @@
 //! tprun-rank: one rank of a tprun job.
 //!
 //! Owns joining a job, the communicator (peer buffers + allreduce algorithms), the model shard
-//! and sampling, and the library API for embedding a rank in another program.
+//! and sampling, and the library API for embedding a rank in another program ([`run::run`]).
 //!
 //! Must not: print to the terminal (it logs through `tracing` and reports to the coordinator)
 //! or parse command-line flags.
 
+pub mod bench;
 pub mod collective;
+pub mod comm;
 pub mod error;
+pub mod fault;
+pub mod job;
+pub mod run;
 
 pub use collective::Collectives;
 pub use error::RankError;

@@ -1,0 +1,253 @@
+//! `tprun bench allreduce`: builds the rows, runs the job, and prints the nccl-tests table
+//! (or JSON). algbw = bytes / time; busbw = algbw × 2(n−1)/n (nccl-tests' PERFORMANCE.md).
+
+use std::io::Write;
+
+use anyhow::{bail, Result};
+use serde::Serialize;
+use tprun_kernels::DType;
+use tprun_rank::job::{Algo, BenchRow, BenchSpec, Report, Task};
+
+use crate::cli::BenchAllreduceArgs;
+use crate::launch::{JobError, Observer};
+use crate::sizes;
+use crate::Settings;
+
+/// Iterations when --iters is not given: enough for a stable median on small messages,
+/// about 32 MiB of traffic per rank per row for large ones, never fewer than 5.
+fn default_iters(bytes: usize) -> u32 {
+    ((32usize << 20) / bytes.max(1)).clamp(5, 100) as u32
+}
+
+pub fn rows(args: &BenchAllreduceArgs) -> Result<Vec<BenchRow>> {
+    let algos: Vec<Algo> = if args.algo.iter().any(|a| a == "all") {
+        Algo::ALL.to_vec()
+    } else {
+        args.algo
+            .iter()
+            .map(|a| {
+                Algo::parse(a).ok_or_else(|| {
+                    anyhow::anyhow!("unknown algorithm '{a}' (host, oneshot, twoshot, auto, all)")
+                })
+            })
+            .collect::<Result<_>>()?
+    };
+    let dtypes: Vec<DType> = if args.dtype.iter().any(|d| d == "all") {
+        DType::ALL.to_vec()
+    } else {
+        args.dtype
+            .iter()
+            .map(|d| {
+                DType::parse(d)
+                    .ok_or_else(|| anyhow::anyhow!("unknown dtype '{d}' (f32, f16, bf16, all)"))
+            })
+            .collect::<Result<_>>()?
+    };
+    let mut rows = Vec::new();
+    for &dtype in &dtypes {
+        let counts: Vec<usize> = match &args.counts {
+            Some(c) => c.clone(),
+            None => sizes::parse_sizes(&args.sizes)
+                .map_err(|e| anyhow::anyhow!(e))?
+                .into_iter()
+                .map(|b| b / dtype.size())
+                .filter(|&c| c > 0)
+                .collect(),
+        };
+        if counts.contains(&0) {
+            bail!("--counts must be positive");
+        }
+        for &algo in &algos {
+            for &count in &counts {
+                let iters = args
+                    .iters
+                    .unwrap_or_else(|| default_iters(count * dtype.size()));
+                if iters == 0 {
+                    bail!("--iters must be at least 1");
+                }
+                rows.push(BenchRow {
+                    algo,
+                    dtype,
+                    count,
+                    warmup: args.warmup.unwrap_or((iters / 10).max(2)),
+                    iters,
+                });
+            }
+        }
+    }
+    if rows.is_empty() {
+        bail!("no sizes to run (every size is smaller than one element)");
+    }
+    Ok(rows)
+}
+
+#[derive(Serialize)]
+struct RowOut {
+    bytes: usize,
+    count: usize,
+    dtype: &'static str,
+    algo: &'static str,
+    resolved: &'static str,
+    time_median_us: f64,
+    time_p99_us: f64,
+    algbw_gbps: f64,
+    busbw_gbps: f64,
+    wrong: u64,
+}
+
+/// One rank's result for one row: the algorithm it ran, per-iteration µs, wrong elements.
+type RankRow = (Algo, Vec<f32>, u64);
+
+struct Collector {
+    world: usize,
+    rows: Vec<BenchRow>,
+    /// Per row: each rank's report.
+    got: Vec<Vec<Option<RankRow>>>,
+    out: Vec<RowOut>,
+    json: bool,
+    printed_header: bool,
+}
+
+impl Collector {
+    fn finish_row(&mut self, i: usize) {
+        let reps: Vec<_> = self.got[i]
+            .iter()
+            .map(|r| r.as_ref().expect("complete"))
+            .collect();
+        let row = self.rows[i];
+        let iters = reps.iter().map(|r| r.1.len()).min().unwrap_or(0);
+        // Per iteration the slowest rank's time, then the median and p99 over iterations.
+        let mut per_iter: Vec<f64> = (0..iters)
+            .map(|k| reps.iter().map(|r| r.1[k] as f64).fold(0.0, f64::max))
+            .collect();
+        per_iter.sort_by(f64::total_cmp);
+        let pick = |q: f64| -> f64 {
+            if per_iter.is_empty() {
+                return f64::NAN;
+            }
+            per_iter[((per_iter.len() - 1) as f64 * q).round() as usize]
+        };
+        let (med, p99) = (pick(0.5), pick(0.99));
+        let bytes = row.count * row.dtype.size();
+        let algbw = bytes as f64 / (med * 1e-6) / 1e9;
+        let n = self.world as f64;
+        let busbw = algbw * 2.0 * (n - 1.0) / n;
+        let wrong = reps.iter().map(|r| r.2).sum();
+        let out = RowOut {
+            bytes,
+            count: row.count,
+            dtype: row.dtype.name(),
+            algo: row.algo.name(),
+            resolved: reps[0].0.name(),
+            time_median_us: med,
+            time_p99_us: p99,
+            algbw_gbps: algbw,
+            busbw_gbps: busbw,
+            wrong,
+        };
+        if !self.json {
+            let mut o = std::io::stdout().lock();
+            if !self.printed_header {
+                self.printed_header = true;
+                let _ = writeln!(
+                    o,
+                    "{:>12} {:>12} {:>5} {:>13} {:>10} {:>10} {:>9} {:>9} {:>7}",
+                    "size(B)",
+                    "count",
+                    "type",
+                    "algo",
+                    "time(us)",
+                    "p99(us)",
+                    "algbw",
+                    "busbw",
+                    "#wrong"
+                );
+                let _ = writeln!(
+                    o,
+                    "{:>12} {:>12} {:>5} {:>13} {:>10} {:>10} {:>9} {:>9} {:>7}",
+                    "", "(elements)", "", "", "median", "", "(GB/s)", "(GB/s)", ""
+                );
+            }
+            let algo = if row.algo == Algo::Auto {
+                format!("auto:{}", out.resolved)
+            } else {
+                out.algo.to_string()
+            };
+            let _ = writeln!(
+                o,
+                "{:>12} {:>12} {:>5} {:>13} {:>10.2} {:>10.2} {:>9.3} {:>9.3} {:>7}",
+                out.bytes, out.count, out.dtype, algo, med, p99, algbw, busbw, wrong
+            );
+        }
+        self.out.push(out);
+    }
+}
+
+impl Observer for Collector {
+    fn report(&mut self, rank: usize, report: Report) {
+        let Report::BenchRow {
+            index,
+            resolved,
+            times_us,
+            wrong,
+        } = report;
+        let i = index as usize;
+        if i >= self.got.len() {
+            return;
+        }
+        self.got[i][rank] = Some((resolved, times_us, wrong));
+        if self.got[i].iter().all(Option::is_some) {
+            self.finish_row(i);
+        }
+    }
+}
+
+pub fn run(settings: &Settings, args: &BenchAllreduceArgs) -> Result<i32, JobError> {
+    let rows = rows(args).map_err(|e| JobError::Setup(e.context("bench allreduce")))?;
+    let world = settings.world;
+    let mut col = Collector {
+        world,
+        rows: rows.clone(),
+        got: vec![vec![None; world]; rows.len()],
+        out: Vec::new(),
+        json: args.json,
+        printed_header: false,
+    };
+    if !args.json {
+        println!(
+            "# tprun bench allreduce: {} rank(s), backend {}, devices {:?}, in place, {}",
+            world,
+            settings.backend.name(),
+            settings.devices,
+            if args.check { "checked" } else { "unchecked" }
+        );
+    }
+    let task = Task::Bench(BenchSpec {
+        rows,
+        check: args.check,
+    });
+    crate::launch::run(settings.launch(task), &mut col)?;
+    let wrong: u64 = col.out.iter().map(|r| r.wrong).sum();
+    if args.json {
+        let v = serde_json::json!({
+            "world": world,
+            "backend": settings.backend.name(),
+            "devices": settings.devices,
+            "checked": args.check,
+            "rows": col.out,
+        });
+        println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+    } else {
+        let avg = col.out.iter().map(|r| r.busbw_gbps).sum::<f64>() / col.out.len().max(1) as f64;
+        println!(
+            "# Out of bounds values : {wrong} {}",
+            if wrong == 0 { "OK" } else { "FAILED" }
+        );
+        println!("# Avg bus bandwidth    : {avg:.3} GB/s");
+    }
+    if args.check && wrong > 0 {
+        eprintln!("error: {wrong} element(s) differed from the reference");
+        return Ok(1);
+    }
+    Ok(0)
+}

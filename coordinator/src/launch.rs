@@ -1,0 +1,745 @@
+//! Starting and supervising a job: the private rendezvous directory, spawning ranks pinned to
+//! their devices, admitting them, exchanging their buffer exports, and watching them until the
+//! end. Nothing outlives the job: the socket and its directory are removed as soon as every
+//! rank has joined (and on every exit path), ranks die with the coordinator (PDEATHSIG), and
+//! a failed job's ranks are stopped with SIGTERM, then SIGKILL.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{self, Signal};
+use nix::unistd::Pid;
+use tprun_ipc::control::describe_abort;
+use tprun_ipc::wire::{Listener, Msg};
+use tprun_ipc::{AbortReason, Conn, ControlBlock};
+use tprun_rank::job::{self, JobSpec, Report};
+
+/// How long a connecting client has to say Hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// Between SIGTERM and SIGKILL when stopping the ranks of a failed job.
+const KILL_GRACE: Duration = Duration::from_millis(500);
+/// How long after a rank's exit its connection may take to report closed.
+const CLOSE_GRACE: Duration = Duration::from_millis(500);
+/// The supervisor's tick: how often it looks at the token ring, heartbeats and signals.
+const TICK: Duration = Duration::from_millis(5);
+
+/// Set by SIGINT/SIGTERM handlers; the supervisor then aborts the job and cleans up.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+/// What went wrong with a job, with the exit code it maps to.
+#[derive(Debug)]
+pub enum JobError {
+    /// A rank exited or died without finishing (exit 3).
+    RankDied(String),
+    /// A rank reported an error (exit 1).
+    RankError(String),
+    /// A wait ran past --timeout (exit 4).
+    Timeout(String),
+    /// The user interrupted the job (exit 130).
+    Interrupted,
+    /// The coordinator itself could not set the job up (exit 1).
+    Setup(anyhow::Error),
+}
+
+impl JobError {
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            JobError::RankDied(_) => 3,
+            JobError::Timeout(_) => 4,
+            JobError::Interrupted => 130,
+            JobError::RankError(_) | JobError::Setup(_) => 1,
+        }
+    }
+}
+
+impl std::fmt::Display for JobError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            JobError::RankDied(m) | JobError::RankError(m) | JobError::Timeout(m) => f.write_str(m),
+            JobError::Interrupted => f.write_str("interrupted"),
+            JobError::Setup(e) => write!(f, "{e:#}"),
+        }
+    }
+}
+
+impl From<anyhow::Error> for JobError {
+    fn from(e: anyhow::Error) -> Self {
+        JobError::Setup(e)
+    }
+}
+
+/// Everything needed to start a job.
+pub struct Launch {
+    pub world: usize,
+    /// Device of each rank.
+    pub devices: Vec<usize>,
+    pub timeout: Duration,
+    pub spec: JobSpec,
+}
+
+/// Callbacks the command gets while the job runs.
+pub trait Observer {
+    fn report(&mut self, rank: usize, report: Report);
+    fn tokens(&mut self, _tokens: &[u32]) {}
+}
+
+enum Event {
+    Joined(usize, Arc<Conn>),
+    /// A message from rank r on connection `id` (the address of its `Conn`).
+    Msg(usize, usize, Msg, Vec<OwnedFd>),
+    Closed(usize),
+    Exited(usize, ExitStatus),
+}
+
+/// Removes the rendezvous directory when dropped (every exit path).
+struct RendezvousDir(Option<PathBuf>);
+
+impl RendezvousDir {
+    fn create() -> anyhow::Result<RendezvousDir> {
+        let base = std::env::var_os("XDG_RUNTIME_DIR")
+            .map(PathBuf::from)
+            .filter(|p| p.is_dir())
+            .unwrap_or_else(std::env::temp_dir);
+        // mkdtemp creates the directory with mode 0700: only our uid can reach the socket.
+        let dir = nix::unistd::mkdtemp(&base.join("tprun-XXXXXX")).map_err(|e| {
+            anyhow::anyhow!("creating a private directory in {}: {e}", base.display())
+        })?;
+        Ok(RendezvousDir(Some(dir)))
+    }
+
+    fn path(&self) -> &Path {
+        self.0.as_deref().expect("directory exists until removed")
+    }
+
+    fn remove(&mut self) {
+        if let Some(d) = self.0.take() {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+}
+
+impl Drop for RendezvousDir {
+    fn drop(&mut self) {
+        self.remove();
+    }
+}
+
+fn random_token() -> anyhow::Result<[u8; 16]> {
+    let mut t = [0u8; 16];
+    let mut f = std::fs::File::open("/dev/urandom")?;
+    std::io::Read::read_exact(&mut f, &mut t)?;
+    Ok(t)
+}
+
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+pub fn parse_hex_token(s: &str) -> Option<[u8; 16]> {
+    let s = s.trim();
+    if s.len() != 32 {
+        return None;
+    }
+    let mut t = [0u8; 16];
+    for (i, b) in t.iter_mut().enumerate() {
+        *b = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(t)
+}
+
+struct RankState {
+    pid: u32,
+    /// Until the waiter thread reports the exit.
+    child_alive: bool,
+    /// The exit status, once known, and when it was seen. A rank is judged only once its
+    /// connection has closed too (or a grace period passed): its last messages (Done, Failed)
+    /// and its exit arrive on different threads, in either order.
+    exit: Option<(ExitStatus, Instant)>,
+    closed: bool,
+    judged: bool,
+    conn: Option<Arc<Conn>>,
+    device: String,
+    device_uuid: String,
+    exported: Option<(Vec<tprun_ipc::wire::ExportItem>, Vec<OwnedFd>)>,
+    done: bool,
+    /// The rank's own last words (Failed), if any: (message, timeout).
+    failed: Option<(String, bool)>,
+}
+
+/// Runs a job to the end. `Ok(())` when every rank finished and exited 0.
+pub fn run(launch: Launch, observer: &mut dyn Observer) -> Result<(), JobError> {
+    install_signal_handlers();
+    let world = launch.world;
+    let token = random_token().map_err(|e| anyhow::anyhow!("reading /dev/urandom: {e}"))?;
+    let mut dir = RendezvousDir::create()?;
+    let sock_path = dir.path().join("rendezvous.sock");
+    let listener =
+        Listener::bind(&sock_path).map_err(|e| anyhow::anyhow!("rendezvous socket: {e}"))?;
+    let control = Arc::new(
+        ControlBlock::create(world, &token).map_err(|e| anyhow::anyhow!("control block: {e}"))?,
+    );
+    let job_bytes = job::encode(&launch.spec);
+
+    let (tx, rx) = mpsc::channel::<Event>();
+    let accepting = Arc::new(AtomicBool::new(true));
+    let acceptor = spawn_acceptor(listener, token, world, tx.clone(), accepting.clone());
+
+    let mut ranks: Vec<RankState> = Vec::with_capacity(world);
+    for (r, &device) in launch.devices.iter().enumerate() {
+        match spawn_rank(r, device, &sock_path, &token, tx.clone()) {
+            Ok(pid) => ranks.push(RankState {
+                pid,
+                child_alive: true,
+                exit: None,
+                closed: false,
+                judged: false,
+                conn: None,
+                device: format!("{} {device}", launch.spec.backend.name()),
+                device_uuid: String::new(),
+                exported: None,
+                done: false,
+                failed: None,
+            }),
+            Err(e) => {
+                accepting.store(false, Ordering::SeqCst);
+                stop_ranks(&control, &ranks);
+                return Err(JobError::Setup(e));
+            }
+        }
+    }
+    drop(tx);
+
+    let mut sup = Supervisor {
+        launch: &launch,
+        control,
+        ranks,
+        dir: &mut dir,
+        accepting,
+        job_bytes,
+        joined: 0,
+        peers_sent: false,
+        error: None,
+        started: Instant::now(),
+        last_progress: Instant::now(),
+        last_beats: vec![0; world],
+        tokens: Vec::new(),
+    };
+    let result = sup.supervise(&rx, observer);
+    drop(sup);
+    let _ = acceptor.join();
+    dir.remove();
+    result
+}
+
+struct Supervisor<'a> {
+    launch: &'a Launch,
+    control: Arc<ControlBlock>,
+    ranks: Vec<RankState>,
+    dir: &'a mut RendezvousDir,
+    accepting: Arc<AtomicBool>,
+    job_bytes: Vec<u8>,
+    joined: usize,
+    peers_sent: bool,
+    /// The first real failure; later ones (ranks that only saw the abort) are not reported.
+    error: Option<JobError>,
+    started: Instant,
+    last_progress: Instant,
+    last_beats: Vec<u64>,
+    tokens: Vec<u32>,
+}
+
+impl Supervisor<'_> {
+    fn supervise(
+        &mut self,
+        rx: &Receiver<Event>,
+        observer: &mut dyn Observer,
+    ) -> Result<(), JobError> {
+        loop {
+            match rx.recv_timeout(TICK) {
+                Ok(ev) => self.handle(ev, observer),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+            self.control.pop_tokens(&mut self.tokens);
+            if !self.tokens.is_empty() {
+                observer.tokens(&self.tokens);
+                self.tokens.clear();
+            }
+            for r in 0..self.ranks.len() {
+                self.judge(r);
+            }
+            if self.ranks.iter().all(|r| r.judged) {
+                break;
+            }
+            if self.error.is_none() {
+                self.check_interrupt_and_stall();
+            }
+        }
+        self.accepting.store(false, Ordering::SeqCst);
+        // Drain tokens published just before the end.
+        self.control.pop_tokens(&mut self.tokens);
+        if !self.tokens.is_empty() {
+            observer.tokens(&self.tokens);
+        }
+        match self.error.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn fail(&mut self, err: JobError, reason: AbortReason, rank: Option<usize>) {
+        if self.error.is_none() {
+            tracing::debug!("job failed: {err}");
+            self.error = Some(err);
+        }
+        self.control.abort(reason, rank);
+        stop_ranks(&self.control, &self.ranks);
+    }
+
+    fn describe(&self, r: usize) -> String {
+        let s = &self.ranks[r];
+        format!("rank {r} (pid {}, device {})", s.pid, s.device)
+    }
+
+    fn handle(&mut self, ev: Event, observer: &mut dyn Observer) {
+        match ev {
+            Event::Joined(r, conn) => self.on_join(r, conn),
+            Event::Msg(r, id, _, _)
+                if self.ranks[r].conn.as_ref().map(|c| Arc::as_ptr(c) as usize) != Some(id) =>
+            {
+                // A refused duplicate claiming an admitted rank's number: ignore it.
+            }
+            Event::Msg(r, _, msg, fds) => match msg {
+                Msg::Export {
+                    device,
+                    device_uuid,
+                    items,
+                } => {
+                    self.ranks[r].device = device;
+                    self.ranks[r].device_uuid = device_uuid;
+                    self.ranks[r].exported = Some((items, fds));
+                    self.maybe_send_peers();
+                }
+                Msg::Report { payload } => match job::decode::<Report>(&payload) {
+                    Ok(rep) => observer.report(r, rep),
+                    Err(e) => {
+                        let m = format!("{}: sent an undecodable report: {e}", self.describe(r));
+                        self.fail(JobError::RankError(m), AbortReason::RankFailed, Some(r));
+                    }
+                },
+                Msg::Failed {
+                    phase,
+                    message,
+                    timeout,
+                } => {
+                    self.ranks[r].failed = Some((message.clone(), timeout));
+                    if self.control.aborted().is_some() && self.error.is_some() {
+                        return; // only saw the abort caused by an earlier failure
+                    }
+                    let text = format!("{} failed during {phase}: {message}", self.describe(r));
+                    if timeout {
+                        self.fail(JobError::Timeout(text), AbortReason::Timeout, Some(r));
+                    } else {
+                        self.fail(JobError::RankError(text), AbortReason::RankFailed, Some(r));
+                    }
+                }
+                Msg::Done => self.ranks[r].done = true,
+                other => {
+                    let m = format!("{}: unexpected message {other:?}", self.describe(r));
+                    self.fail(JobError::RankError(m), AbortReason::RankFailed, Some(r));
+                }
+            },
+            Event::Closed(r) => {
+                self.ranks[r].closed = true;
+                self.judge(r);
+            }
+            Event::Exited(r, status) => {
+                self.ranks[r].child_alive = false;
+                self.ranks[r].exit = Some((status, Instant::now()));
+                self.judge(r);
+            }
+        }
+    }
+
+    /// Decides whether rank `r`'s exit was a failure, once both its exit status and the end
+    /// of its connection are known (or its exit is old enough that no more messages come).
+    fn judge(&mut self, r: usize) {
+        let s = &self.ranks[r];
+        let Some((status, when)) = s.exit else { return };
+        let settled = s.closed || s.conn.is_none() || when.elapsed() > CLOSE_GRACE;
+        if s.judged || !settled {
+            return;
+        }
+        self.ranks[r].judged = true;
+        let s = &self.ranks[r];
+        if (status.success() && s.done) || self.error.is_some() || s.failed.is_some() {
+            return;
+        }
+        let phase = self.control.phase(r).name();
+        let how = match (status.code(), status.signal()) {
+            (_, Some(sig)) => format!(
+                "killed by {}",
+                Signal::try_from(sig).map_or(format!("signal {sig}"), |s| s.as_str().to_string())
+            ),
+            (Some(0), _) => "exited without finishing".to_string(),
+            (Some(c), _) => format!("exited with status {c}"),
+            _ => "ended".to_string(),
+        };
+        let m = format!("{} {how} during {phase}", self.describe(r));
+        self.fail(JobError::RankDied(m), AbortReason::RankFailed, Some(r));
+    }
+
+    fn on_join(&mut self, r: usize, conn: Arc<Conn>) {
+        if self.ranks[r].conn.is_some() {
+            let _ = conn.send(
+                &Msg::Refused {
+                    reason: format!("rank {r} has already joined"),
+                },
+                &[],
+            );
+            eprintln!("tprun: refused a second connection claiming rank {r}");
+            return;
+        }
+        let sent = conn.send(
+            &Msg::Welcome {
+                world: self.launch.world as u32,
+                job: self.job_bytes.clone(),
+            },
+            &[self.control.fd()],
+        );
+        if let Err(e) = sent {
+            tracing::debug!("rank {r}: Welcome not delivered: {e}");
+        }
+        self.ranks[r].conn = Some(conn);
+        self.joined += 1;
+        self.last_progress = Instant::now();
+        if self.joined == self.launch.world {
+            // Everyone is in: nothing else may join, and nothing stays on disk from here on,
+            // even if this process is SIGKILLed later.
+            self.accepting.store(false, Ordering::SeqCst);
+            self.dir.remove();
+        }
+    }
+
+    fn maybe_send_peers(&mut self) {
+        if self.peers_sent || self.ranks.iter().any(|r| r.exported.is_none()) {
+            return;
+        }
+        self.peers_sent = true;
+        let mut by_dev: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+        for (r, s) in self.ranks.iter().enumerate() {
+            by_dev.entry(s.device_uuid.as_str()).or_default().push(r);
+        }
+        if self.launch.spec.backend != tprun_rank::job::Backend::Cpu {
+            if let Some((dev, rs)) = by_dev.iter().find(|(_, rs)| rs.len() > 1) {
+                eprintln!(
+                    "tprun: warning: ranks {rs:?} share device {dev}; their kernels overlap only \
+                     under the CUDA MPS daemon (nvidia-cuda-mps-control -d), otherwise every \
+                     cross-rank wait costs milliseconds"
+                );
+            }
+        }
+        let items: Vec<_> = self
+            .ranks
+            .iter()
+            .map(|s| s.exported.as_ref().expect("checked above").0.clone())
+            .collect();
+        for r in 0..self.ranks.len() {
+            let fds: Vec<_> = self
+                .ranks
+                .iter()
+                .flat_map(|s| {
+                    s.exported
+                        .as_ref()
+                        .expect("checked above")
+                        .1
+                        .iter()
+                        .map(|f| f.as_fd())
+                })
+                .collect();
+            let conn = self.ranks[r]
+                .conn
+                .clone()
+                .expect("every rank joined before exporting");
+            if let Err(e) = conn.send(
+                &Msg::Peers {
+                    items: items.clone(),
+                },
+                &fds,
+            ) {
+                tracing::debug!("rank {r}: Peers not delivered: {e}");
+            }
+        }
+        // The descriptors are in the ranks' hands now; ours are no longer needed.
+        for s in &mut self.ranks {
+            if let Some((_, fds)) = &mut s.exported {
+                fds.clear();
+            }
+        }
+    }
+
+    fn check_interrupt_and_stall(&mut self) {
+        if INTERRUPTED.load(Ordering::SeqCst) {
+            self.fail(JobError::Interrupted, AbortReason::Interrupted, None);
+            return;
+        }
+        let timeout = self.launch.timeout;
+        if self.joined < self.launch.world {
+            if self.started.elapsed() > timeout {
+                let missing: Vec<usize> = (0..self.launch.world)
+                    .filter(|&r| self.ranks[r].conn.is_none())
+                    .collect();
+                let m = format!(
+                    "timed out after {:.0?} waiting for rank(s) {missing:?} to join",
+                    timeout
+                );
+                self.fail(JobError::Timeout(m), AbortReason::Timeout, None);
+            }
+            return;
+        }
+        // Progress is any heartbeat change. Ranks' own waits time out first (after `timeout`)
+        // and say who is missing; this catches a job where nobody waits (one rank, or all stuck).
+        let beats: Vec<u64> = (0..self.launch.world)
+            .map(|r| self.control.heartbeat(r))
+            .collect();
+        if beats != self.last_beats {
+            self.last_beats = beats;
+            self.last_progress = Instant::now();
+        } else if self.last_progress.elapsed() > timeout + Duration::from_secs(1) {
+            let live: Vec<String> = (0..self.launch.world)
+                .filter(|&r| !self.ranks[r].done && self.ranks[r].child_alive)
+                .map(|r| format!("rank {r} in {}", self.control.phase(r).name()))
+                .collect();
+            let m = format!(
+                "no progress for {:.0?}: {}",
+                timeout,
+                if live.is_empty() {
+                    "no rank running".to_string()
+                } else {
+                    live.join(", ")
+                }
+            );
+            self.fail(JobError::Timeout(m), AbortReason::Timeout, None);
+        }
+    }
+}
+
+impl Drop for Supervisor<'_> {
+    fn drop(&mut self) {
+        // Whatever happened, no rank outlives the job.
+        if self.ranks.iter().any(|r| r.child_alive) {
+            if self.control.aborted().is_none() {
+                self.control.abort(AbortReason::RankFailed, None);
+            }
+            stop_ranks(&self.control, &self.ranks);
+        }
+    }
+}
+
+/// SIGTERM every live rank, then SIGKILL after a grace period, and wait for none of them: the
+/// waiter threads report their exits.
+fn stop_ranks(control: &ControlBlock, ranks: &[RankState]) {
+    let live: Vec<Pid> = ranks
+        .iter()
+        .filter(|r| r.child_alive)
+        .map(|r| Pid::from_raw(r.pid as i32))
+        .collect();
+    if live.is_empty() {
+        return;
+    }
+    tracing::debug!(
+        "stopping {} rank(s): {}",
+        live.len(),
+        control
+            .aborted()
+            .map_or("no abort".into(), |(r, w)| describe_abort(r, w))
+    );
+    for &p in &live {
+        let _ = signal::kill(p, Signal::SIGTERM);
+    }
+    thread::spawn(move || {
+        thread::sleep(KILL_GRACE);
+        for p in live {
+            // ESRCH if it is gone already. A reaped pid could in principle be reused within
+            // the grace period; the waiter threads reap quickly and pids are not recycled that
+            // fast on Linux (they wrap around pid_max first).
+            let _ = signal::kill(p, Signal::SIGKILL);
+        }
+    });
+}
+
+fn install_signal_handlers() {
+    for sig in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
+        let action = signal::SigAction::new(
+            signal::SigHandler::Handler(on_signal),
+            signal::SaFlags::SA_RESTART,
+            signal::SigSet::empty(),
+        );
+        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+        unsafe {
+            let _ = signal::sigaction(sig, &action);
+        }
+    }
+}
+
+fn spawn_rank(
+    rank: usize,
+    device: usize,
+    sock: &Path,
+    token: &[u8; 16],
+    tx: Sender<Event>,
+) -> anyhow::Result<u32> {
+    let exe =
+        std::env::current_exe().map_err(|e| anyhow::anyhow!("finding our own binary: {e}"))?;
+    let parent = std::process::id() as i32;
+    let mut cmd = Command::new(exe);
+    cmd.arg("rank")
+        .arg("--join")
+        .arg(sock)
+        .arg("--rank")
+        .arg(rank.to_string())
+        .arg("--device")
+        .arg(device.to_string())
+        .env("TPRUN_JOB_TOKEN", hex(token))
+        .env("CUDA_VISIBLE_DEVICES", device.to_string())
+        .env("HIP_VISIBLE_DEVICES", device.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    // SAFETY: the closure runs in the child between fork and exec and calls only
+    // async-signal-safe functions (prctl, getppid, setpgid, _exit).
+    unsafe {
+        cmd.pre_exec(move || {
+            // Die with the coordinator. If it is already gone (the parent changed before prctl
+            // took effect), exit now.
+            if libc::prctl(
+                libc::PR_SET_PDEATHSIG,
+                libc::SIGKILL as libc::c_ulong,
+                0,
+                0,
+                0,
+            ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::getppid() != parent {
+                libc::_exit(1);
+            }
+            // Our own process group: a terminal's Ctrl-C reaches the coordinator only, which
+            // then stops the ranks in order instead of racing them.
+            libc::setpgid(0, 0);
+            Ok(())
+        });
+    }
+    let mut child: Child = cmd
+        .spawn()
+        .map_err(|e| anyhow::anyhow!("starting rank {rank}: {e}"))?;
+    let pid = child.id();
+    let out = child.stdout.take().expect("piped");
+    let err = child.stderr.take().expect("piped");
+    forward_output(rank, out);
+    forward_output(rank, err);
+    thread::spawn(move || {
+        if let Ok(status) = child.wait() {
+            let _ = tx.send(Event::Exited(rank, status));
+        }
+    });
+    Ok(pid)
+}
+
+/// Copies a rank's output to our stderr, each line prefixed with `[rank i]`.
+fn forward_output(rank: usize, stream: impl std::io::Read + Send + 'static) {
+    thread::spawn(move || {
+        let reader = BufReader::new(stream);
+        for line in reader.split(b'\n').map_while(Result::ok) {
+            let mut e = std::io::stderr().lock();
+            let _ = write!(e, "[rank {rank}] ");
+            let _ = e.write_all(&line);
+            let _ = e.write_all(b"\n");
+        }
+    });
+}
+
+fn spawn_acceptor(
+    listener: Listener,
+    token: [u8; 16],
+    world: usize,
+    tx: Sender<Event>,
+    accepting: Arc<AtomicBool>,
+) -> thread::JoinHandle<()> {
+    thread::spawn(move || {
+        let my_uid = nix::unistd::getuid().as_raw();
+        while accepting.load(Ordering::SeqCst) {
+            let conn = match listener.accept(Duration::from_millis(20)) {
+                Ok(Some(c)) => c,
+                Ok(None) => continue,
+                Err(e) => {
+                    tracing::debug!("accept: {e}");
+                    continue;
+                }
+            };
+            let tx = tx.clone();
+            thread::spawn(move || handshake(conn, token, world, my_uid, tx));
+        }
+    })
+}
+
+/// Admits one client, or refuses it with a log line; a refused client never disturbs the job.
+fn handshake(conn: Conn, token: [u8; 16], world: usize, my_uid: u32, tx: Sender<Event>) {
+    let cred = conn.peer_cred().ok();
+    let who = cred.map_or("unknown pid".to_string(), |c| format!("pid {}", c.pid));
+    let refuse = |reason: String| {
+        eprintln!("tprun: refused a connection from {who}: {reason}");
+        let _ = conn.send(&Msg::Refused { reason }, &[]);
+    };
+    if let Some(c) = cred {
+        if c.uid != my_uid {
+            return refuse(format!("uid {} is not ours ({my_uid})", c.uid));
+        }
+    }
+    let (msg, _fds) = match conn.recv(Some(HELLO_TIMEOUT)) {
+        Ok(m) => m,
+        Err(e) => return refuse(format!("no valid Hello: {e}")),
+    };
+    let Msg::Hello { token: t, rank, .. } = msg else {
+        return refuse("the first message was not Hello".into());
+    };
+    if t != token {
+        return refuse("wrong job token".into());
+    }
+    let rank = rank as usize;
+    if rank >= world {
+        return refuse(format!("rank {rank} is outside a world of {world}"));
+    }
+    let conn = Arc::new(conn);
+    let id = Arc::as_ptr(&conn) as usize;
+    if tx.send(Event::Joined(rank, conn.clone())).is_err() {
+        return;
+    }
+    loop {
+        match conn.recv(None) {
+            Ok((m, fds)) => {
+                if tx.send(Event::Msg(rank, id, m, fds)).is_err() {
+                    return;
+                }
+            }
+            Err(_) => {
+                let _ = tx.send(Event::Closed(rank));
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,131 @@
+//! The CPU allreduce through the real binary: real rank processes, real fd passing, every
+//! algorithm and dtype, odd counts, `--check` comparing every element on every rank with the
+//! exact rank-order sum (and the table's #wrong column must be 0 everywhere).
+
+mod common;
+use common::*;
+
+fn check(world: usize, extra: &[&str]) {
+    let env = Env::new(&format!("ar{world}"));
+    let mut c = env.cmd();
+    c.args([
+        "--ranks",
+        &world.to_string(),
+        "--backend",
+        "cpu",
+        "bench",
+        "allreduce",
+    ])
+    .args(["--algo", "all", "--dtype", "all", "--check", "--json"])
+    .args(extra);
+    let o = run(c);
+    assert!(
+        o.status.success(),
+        "world {world}: {}\n{}",
+        stderr(&o),
+        stdout(&o)
+    );
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("json output");
+    let rows = v["rows"].as_array().unwrap();
+    assert!(!rows.is_empty());
+    for r in rows {
+        assert_eq!(r["wrong"], 0, "world {world}: {r}");
+    }
+    // 4 algorithms × 3 dtypes × the sizes asked for.
+    let sizes = extra
+        .iter()
+        .skip_while(|a| **a != "--counts" && **a != "--sizes")
+        .nth(1)
+        .unwrap()
+        .split(',')
+        .count();
+    assert_eq!(rows.len(), 4 * 3 * sizes, "world {world}");
+    env.assert_clean();
+}
+
+const SMALL: &[&str] = &[
+    "--counts",
+    "1,2,3,7,31,1001,4097,65537",
+    "--iters",
+    "3",
+    "--warmup",
+    "1",
+];
+
+#[test]
+fn world_1() {
+    check(1, SMALL);
+}
+
+#[test]
+fn world_2() {
+    check(2, SMALL);
+}
+
+#[test]
+fn world_3() {
+    check(3, SMALL);
+}
+
+#[test]
+fn world_4() {
+    check(4, SMALL);
+}
+
+#[test]
+fn world_8() {
+    check(8, SMALL);
+}
+
+#[test]
+fn world_4_16mib() {
+    check(4, &["--sizes", "16M", "--iters", "1", "--warmup", "1"]);
+}
+
+#[test]
+fn world_3_odd_large() {
+    // Odd element counts around 16 MiB: shards of unequal size, tails that are not a multiple
+    // of any vector width.
+    check(
+        3,
+        &[
+            "--counts",
+            "4194301,8388607",
+            "--iters",
+            "1",
+            "--warmup",
+            "1",
+        ],
+    );
+}
+
+#[test]
+fn table_has_nccl_tests_columns() {
+    let env = Env::new("table");
+    let mut c = env.cmd();
+    c.args([
+        "--ranks",
+        "2",
+        "bench",
+        "allreduce",
+        "--sizes",
+        "8:64",
+        "--algo",
+        "oneshot",
+    ]);
+    let o = run(c);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    for col in [
+        "size(B)", "count", "type", "algo", "time(us)", "p99(us)", "algbw", "busbw", "#wrong",
+    ] {
+        assert!(out.contains(col), "missing column {col}:\n{out}");
+    }
+    // 8, 16, 32, 64 bytes of f32.
+    let rows: Vec<&str> = out
+        .lines()
+        .filter(|l| l.trim_end().ends_with(" 0") && l.contains("oneshot"))
+        .collect();
+    assert_eq!(rows.len(), 4, "{out}");
+    assert!(out.contains("Avg bus bandwidth"));
+}

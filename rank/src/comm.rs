@@ -1,0 +1,246 @@
+//! The communicator: this rank's communication buffer, the peers' buffers mapped into this
+//! process, and the allreduce algorithms of DESIGN.md.
+//!
+//! | algorithm | how |
+//! | --- | --- |
+//! | `host` | copy into own buffer; sync; control-block barrier; `ReduceSum` over every rank's buffer; sync; barrier |
+//! | `oneshot` | one `Op::Allreduce`: publish, flag every peer, wait for all flags, reduce everything |
+//! | `twoshot` | one `Op::Allreduce`: reduce-scatter through peer buffers, flags, all-gather |
+//! | `auto` | picks one of the above by message size and world size ([`auto_pick`]) |
+//!
+//! All of them sum in rank order with f32 accumulation, so every rank gets bitwise the same
+//! result, and each algorithm gives the same bits as the others.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tprun_ipc::wire::ExportItem;
+use tprun_ipc::{Conn, ControlBlock, Msg};
+use tprun_kernels::comm::{AllreduceArgs, CommAlgo, CommLayout};
+use tprun_kernels::{Device, Export, ExportMeta, Op, View};
+
+use crate::job::{Algo, Backend};
+use crate::{Collectives, RankError};
+
+/// Picks the algorithm `auto` stands for.
+///
+/// CPU: measured on a 2-core machine with 4 ranks (docs/perf-notes.md): oneshot wins while the
+/// whole message is cheap to read `world` times; twoshot reads each element once per rank
+/// shard and wins for large messages. GPU entries come from the H200 runs in the same notes.
+pub fn auto_pick(backend: Backend, bytes: usize, world: usize) -> Algo {
+    if world == 1 {
+        return Algo::Oneshot;
+    }
+    let oneshot_max = match backend {
+        Backend::Cpu => 256 << 10,
+        Backend::Cuda | Backend::Hip => 512 << 10,
+    };
+    if bytes <= oneshot_max {
+        Algo::Oneshot
+    } else {
+        Algo::Twoshot
+    }
+}
+
+pub struct Communicator<D: Device> {
+    dev: Arc<D>,
+    rank: usize,
+    world: usize,
+    backend: Backend,
+    control: Arc<ControlBlock>,
+    /// Every rank's communication buffer; ours at index `rank`.
+    bufs: Vec<D::Buf>,
+    layout: CommLayout,
+    /// Calls so far; the next call uses `epoch + 1`. Identical on every rank because every rank
+    /// makes the same calls in the same order.
+    epoch: u32,
+    timeout: Duration,
+    spin: u32,
+    default_algo: Algo,
+}
+
+impl<D: Device> Communicator<D> {
+    /// Allocates and exports this rank's buffer, exchanges exports through the coordinator,
+    /// maps every peer's buffer, and meets the others at the first barrier.
+    #[allow(clippy::too_many_arguments)]
+    pub fn establish(
+        dev: Arc<D>,
+        conn: &Conn,
+        control: Arc<ControlBlock>,
+        rank: usize,
+        backend: Backend,
+        max_message_bytes: usize,
+        timeout: Duration,
+        spin: u32,
+    ) -> Result<Self, RankError> {
+        let world = control.world();
+        let layout = CommLayout::new(max_message_bytes);
+        let (own, export) = dev.alloc_shared(layout.total_bytes())?;
+        let info = dev.info();
+        let item = ExportItem {
+            meta: crate::job::encode(&export.meta),
+            has_fd: export.fd.is_some(),
+        };
+        let fds: Vec<_> = export.fd.iter().map(std::os::fd::AsFd::as_fd).collect();
+        conn.send(
+            &Msg::Export {
+                device: format!("{} {} ({})", info.backend, info.ordinal, info.name),
+                device_uuid: info.uuid.clone(),
+                items: vec![item],
+            },
+            &fds,
+        )
+        .map_err(|e| RankError::Other(format!("sending our buffer export: {e}")))?;
+        drop(fds);
+        let (msg, fds) = conn
+            .recv(Some(timeout))
+            .map_err(|e| RankError::Other(format!("waiting for the peers' exports: {e}")))?;
+        let Msg::Peers { items } = msg else {
+            return Err(RankError::Other(format!("expected Peers, got {msg:?}")));
+        };
+        if items.len() != world {
+            return Err(RankError::Other(format!(
+                "got exports of {} ranks for a world of {world}",
+                items.len()
+            )));
+        }
+        let mut fds = fds.into_iter();
+        let mut bufs = Vec::with_capacity(world);
+        let mut own = Some(own);
+        for (r, rank_items) in items.into_iter().enumerate() {
+            let item = rank_items
+                .into_iter()
+                .next()
+                .ok_or_else(|| RankError::Other(format!("rank {r} exported no buffer")))?;
+            let fd = if item.has_fd {
+                Some(fds.next().ok_or_else(|| {
+                    RankError::Other(format!("rank {r}'s export came without its descriptor"))
+                })?)
+            } else {
+                None
+            };
+            if r == rank {
+                // Our own export came back too; we keep our original mapping.
+                bufs.push(own.take().expect("own buffer is taken once"));
+                continue;
+            }
+            let meta: ExportMeta = crate::job::decode(&item.meta)?;
+            let buf = dev
+                .import(Export { meta, fd })
+                .map_err(|e| RankError::Other(format!("mapping rank {r}'s buffer: {e}")))?;
+            bufs.push(buf);
+        }
+        let comm = Communicator {
+            dev,
+            rank,
+            world,
+            backend,
+            control,
+            bufs,
+            layout,
+            epoch: 0,
+            timeout,
+            spin,
+            default_algo: Algo::Auto,
+        };
+        comm.barrier()?;
+        Ok(comm)
+    }
+
+    pub fn set_default_algo(&mut self, algo: Algo) {
+        self.default_algo = algo;
+    }
+
+    pub fn max_message_bytes(&self) -> usize {
+        self.layout.data_bytes
+    }
+
+    /// A host barrier over the control block.
+    pub fn barrier(&self) -> Result<(), RankError> {
+        self.control
+            .barrier(self.rank, self.timeout, self.spin)
+            .map_err(RankError::from)
+    }
+
+    /// The algorithm a call with `algo` on `bytes` bytes runs.
+    pub fn resolve(&self, algo: Algo, bytes: usize) -> Algo {
+        match algo {
+            Algo::Auto => auto_pick(self.backend, bytes, self.world),
+            a => a,
+        }
+    }
+
+    /// In-place allreduce of `data` with `algo`.
+    pub fn allreduce_with(&mut self, algo: Algo, data: View<'_, D::Buf>) -> Result<(), RankError> {
+        if data.bytes() > self.layout.data_bytes {
+            return Err(RankError::Other(format!(
+                "allreduce of {} bytes exceeds the {}-byte communication buffer",
+                data.bytes(),
+                self.layout.data_bytes
+            )));
+        }
+        self.epoch = self.epoch.wrapping_add(1);
+        let epoch = self.epoch;
+        let refs: Vec<&D::Buf> = self.bufs.iter().collect();
+        match self.resolve(algo, data.bytes()) {
+            Algo::Host => {
+                let slot = self.layout.slot_offset(epoch);
+                let mine = View::new(refs[self.rank], slot, data.len, data.dtype);
+                self.dev.run(&Op::Copy {
+                    src: data,
+                    dst: mine,
+                })?;
+                self.dev.sync()?;
+                // Barrier 1: every rank's input is in its buffer (the sync above finished the
+                // copy; the barrier's AcqRel/Release chain publishes it to the readers).
+                self.barrier()?;
+                let inputs: Vec<View<'_, D::Buf>> = refs
+                    .iter()
+                    .map(|b| View::new(*b, slot, data.len, data.dtype))
+                    .collect();
+                self.dev.run(&Op::ReduceSum {
+                    inputs: &inputs,
+                    out: data,
+                })?;
+                self.dev.sync()?;
+                // Barrier 2: nobody refills its buffer while a peer may still read it.
+                self.barrier()?;
+            }
+            a @ (Algo::Oneshot | Algo::Twoshot) => {
+                let algo = if a == Algo::Oneshot {
+                    CommAlgo::Oneshot
+                } else {
+                    CommAlgo::Twoshot
+                };
+                self.dev.run(&Op::Allreduce(AllreduceArgs {
+                    algo,
+                    rank: self.rank,
+                    world: self.world,
+                    epoch,
+                    data,
+                    comm: &refs,
+                    layout: self.layout,
+                    timeout: self.timeout,
+                    abort: Some(self.control.abort_word()),
+                }))?;
+            }
+            Algo::Auto => unreachable!("resolve never returns auto"),
+        }
+        self.control.beat(self.rank);
+        Ok(())
+    }
+}
+
+impl<D: Device> Collectives<D> for Communicator<D> {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn allreduce(&mut self, data: View<'_, D::Buf>) -> Result<(), RankError> {
+        self.allreduce_with(self.default_algo, data)
+    }
+}

@@ -1,0 +1,116 @@
+//! The job spec the coordinator sends every rank in `Welcome`, and the reports ranks send back.
+//! Both are postcard-encoded inside the ipc crate's opaque payloads.
+
+use serde::{Deserialize, Serialize};
+use tprun_kernels::DType;
+
+/// Which device layer the ranks use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Backend {
+    Cpu,
+    Cuda,
+    Hip,
+}
+
+impl Backend {
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Cpu => "cpu",
+            Backend::Cuda => "cuda",
+            Backend::Hip => "hip",
+        }
+    }
+}
+
+/// How GPU ranks share peer buffers (`--ipc`); ignored by the CPU backend (always memfds).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum IpcMode {
+    Auto,
+    Fd,
+    Legacy,
+}
+
+/// Allreduce algorithms, with the names used in the CLI, the code and the tables.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Algo {
+    Host,
+    Oneshot,
+    Twoshot,
+    Auto,
+}
+
+impl Algo {
+    pub const ALL: [Algo; 4] = [Algo::Host, Algo::Oneshot, Algo::Twoshot, Algo::Auto];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Algo::Host => "host",
+            Algo::Oneshot => "oneshot",
+            Algo::Twoshot => "twoshot",
+            Algo::Auto => "auto",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Algo> {
+        Algo::ALL.into_iter().find(|a| a.name() == s)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JobSpec {
+    pub backend: Backend,
+    pub ipc: IpcMode,
+    /// Deadline of every wait (barriers, flag waits, the token ring), in milliseconds.
+    pub timeout_ms: u64,
+    /// Host threads each rank may use (cores / ranks, at least 1).
+    pub threads: usize,
+    /// True when ranks outnumber cores: waits then spin only briefly before sleeping.
+    pub oversubscribed: bool,
+    pub task: Task,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Task {
+    Bench(BenchSpec),
+}
+
+/// `bench allreduce`: the rows to run, in order, identical on every rank.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BenchSpec {
+    pub rows: Vec<BenchRow>,
+    /// Give each rank known inputs and compare every element with the exact reference.
+    pub check: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BenchRow {
+    pub algo: Algo,
+    pub dtype: DType,
+    /// Elements.
+    pub count: usize,
+    pub warmup: u32,
+    pub iters: u32,
+}
+
+/// What a rank reports back.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Report {
+    /// One finished benchmark row: per-iteration times on this rank, and elements that
+    /// differed from the reference over all checked iterations.
+    BenchRow {
+        index: u32,
+        /// The algorithm `auto` resolved to (the row's own algorithm otherwise).
+        resolved: Algo,
+        times_us: Vec<f32>,
+        wrong: u64,
+    },
+}
+
+pub fn encode<T: Serialize>(v: &T) -> Vec<u8> {
+    postcard::to_stdvec(v).expect("job specs and reports always encode")
+}
+
+pub fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, crate::RankError> {
+    postcard::from_bytes(bytes)
+        .map_err(|e| crate::RankError::Other(format!("undecodable job payload: {e}")))
+}

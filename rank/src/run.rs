@@ -1,0 +1,146 @@
+//! A rank's life: join the job, build the device, set up the communicator, run the task,
+//! report. The library entry point for embedding a rank in another program is [`run`].
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tprun_ipc::{Conn, ControlBlock, Msg, Phase};
+use tprun_kernels::cpu::CpuDevice;
+use tprun_kernels::Device;
+
+use crate::comm::Communicator;
+use crate::job::{self, Backend, JobSpec, Task};
+use crate::RankError;
+
+/// How long a rank waits for the coordinator's answer to `Hello`.
+const JOIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// Spin iterations before a wait sleeps: ~100 µs of spinning when every rank has a core of its
+/// own, a few µs when ranks outnumber cores (then the rank we wait for needs our core).
+const SPIN_DEDICATED: u32 = 20_000;
+const SPIN_OVERSUBSCRIBED: u32 = 100;
+
+pub struct RankOptions {
+    /// The coordinator's rendezvous socket.
+    pub socket: PathBuf,
+    pub rank: usize,
+    /// The job token (from `TPRUN_JOB_TOKEN` or a token file).
+    pub token: [u8; 16],
+    /// This rank's device as the coordinator assigned it (for CPU: informational).
+    pub device: usize,
+}
+
+/// What every part of a running rank shares.
+pub struct RankCtx {
+    pub rank: usize,
+    pub world: usize,
+    pub control: Arc<ControlBlock>,
+}
+
+impl RankCtx {
+    /// Records that this rank enters `phase` (and triggers a test fault planned for it).
+    pub fn enter(&self, phase: Phase) {
+        self.control.set_phase(self.rank, phase);
+        crate::fault::at(self.rank, phase);
+    }
+}
+
+/// Joins the job at `opts.socket` and runs this rank's share of it to the end.
+///
+/// On failure the error is also reported to the coordinator (best effort) before returning.
+pub fn run(opts: RankOptions) -> Result<(), RankError> {
+    crate::fault::at(opts.rank, Phase::Starting);
+    let conn = Conn::connect(&opts.socket)?;
+    conn.send(
+        &Msg::Hello {
+            token: opts.token,
+            rank: opts.rank as u32,
+            pid: std::process::id(),
+        },
+        &[],
+    )?;
+    let (msg, mut fds) = conn.recv(Some(JOIN_TIMEOUT))?;
+    let (world, spec) = match msg {
+        Msg::Welcome { world, job } => (world as usize, job::decode::<JobSpec>(&job)?),
+        Msg::Refused { reason } => {
+            return Err(RankError::Other(format!(
+                "the coordinator refused us: {reason}"
+            )))
+        }
+        other => return Err(RankError::Other(format!("expected Welcome, got {other:?}"))),
+    };
+    let cb_fd = fds
+        .pop()
+        .ok_or_else(|| RankError::Other("Welcome came without the control block".into()))?;
+    let control = Arc::new(ControlBlock::open(cb_fd, world, &opts.token)?);
+    control.set_pid(opts.rank, std::process::id());
+    let ctx = RankCtx {
+        rank: opts.rank,
+        world,
+        control,
+    };
+    ctx.enter(Phase::Setup);
+    let result = match spec.backend {
+        Backend::Cpu => {
+            let spin = if spec.oversubscribed {
+                SPIN_OVERSUBSCRIBED
+            } else {
+                SPIN_DEDICATED
+            };
+            let dev = CpuDevice::new(opts.device, spec.threads, spin);
+            run_task(&ctx, &conn, Arc::new(dev), &spec, spin)
+        }
+        b => Err(RankError::Other(format!(
+            "backend '{}' is not available in this build",
+            b.name()
+        ))),
+    };
+    match &result {
+        Ok(()) => {
+            ctx.control.set_phase(ctx.rank, Phase::Finishing);
+            conn.send(&Msg::Done, &[])?;
+        }
+        Err(e) => {
+            let _ = conn.send(
+                &Msg::Failed {
+                    phase: ctx.control.phase(ctx.rank).name().into(),
+                    message: e.to_string(),
+                    timeout: e.is_timeout(),
+                },
+                &[],
+            );
+        }
+    }
+    result
+}
+
+fn run_task<D: Device>(
+    ctx: &RankCtx,
+    conn: &Conn,
+    dev: Arc<D>,
+    spec: &JobSpec,
+    spin: u32,
+) -> Result<(), RankError> {
+    let timeout = Duration::from_millis(spec.timeout_ms);
+    match &spec.task {
+        Task::Bench(b) => {
+            let max = b
+                .rows
+                .iter()
+                .map(|r| r.count * r.dtype.size())
+                .max()
+                .unwrap_or(0);
+            let mut comm = Communicator::establish(
+                dev.clone(),
+                conn,
+                ctx.control.clone(),
+                ctx.rank,
+                spec.backend,
+                max,
+                timeout,
+                spin,
+            )?;
+            crate::bench::run(ctx, conn, &mut comm, &*dev, b)
+        }
+    }
+}
