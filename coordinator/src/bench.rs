@@ -203,7 +203,7 @@ impl Observer for Collector {
 }
 
 pub fn run(settings: &Settings, args: &BenchAllreduceArgs) -> Result<i32, JobError> {
-    let rows = rows(args).map_err(|e| JobError::Setup(e.context("bench allreduce")))?;
+    let rows = rows(args).map_err(|e| JobError::Usage(format!("{e:#}")))?;
     let world = settings.world;
     let mut col = Collector {
         world,

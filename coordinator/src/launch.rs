@@ -52,6 +52,8 @@ pub enum JobError {
     Interrupted,
     /// The coordinator itself could not set the job up (exit 1).
     Setup(anyhow::Error),
+    /// Bad flags or arguments (exit 2).
+    Usage(String),
 }
 
 impl JobError {
@@ -61,6 +63,7 @@ impl JobError {
             JobError::Timeout(_) => 4,
             JobError::Interrupted => 130,
             JobError::RankError(_) | JobError::Setup(_) => 1,
+            JobError::Usage(_) => 2,
         }
     }
 }
@@ -68,7 +71,10 @@ impl JobError {
 impl std::fmt::Display for JobError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            JobError::RankDied(m) | JobError::RankError(m) | JobError::Timeout(m) => f.write_str(m),
+            JobError::RankDied(m)
+            | JobError::RankError(m)
+            | JobError::Timeout(m)
+            | JobError::Usage(m) => f.write_str(m),
             JobError::Interrupted => f.write_str("interrupted"),
             JobError::Setup(e) => write!(f, "{e:#}"),
         }
@@ -207,7 +213,7 @@ pub fn run(launch: Launch, observer: &mut dyn Observer) -> Result<(), JobError> 
                 closed: false,
                 judged: false,
                 conn: None,
-                device: format!("{} {device}", launch.spec.backend.name()),
+                device: format!("{}:{device}", launch.spec.backend.name()),
                 device_uuid: String::new(),
                 exported: None,
                 done: false,

@@ -104,6 +104,7 @@ fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .without_time()
         .try_init();
 }
@@ -136,6 +137,9 @@ fn run(cli: Cli) -> i32 {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e}");
+            if e.exit_code() == 2 {
+                eprintln!("hint: see tprun --help");
+            }
             e.exit_code()
         }
     }

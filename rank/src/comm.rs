@@ -84,7 +84,11 @@ impl<D: Device> Communicator<D> {
         let fds: Vec<_> = export.fd.iter().map(std::os::fd::AsFd::as_fd).collect();
         conn.send(
             &Msg::Export {
-                device: format!("{} {} ({})", info.backend, info.ordinal, info.name),
+                device: if info.name == info.backend {
+                    format!("{}:{}", info.backend, info.ordinal)
+                } else {
+                    format!("{}:{} ({})", info.backend, info.ordinal, info.name)
+                },
                 device_uuid: info.uuid.clone(),
                 items: vec![item],
             },

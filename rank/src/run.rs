@@ -15,10 +15,12 @@ use crate::RankError;
 
 /// How long a rank waits for the coordinator's answer to `Hello`.
 const JOIN_TIMEOUT: Duration = Duration::from_secs(30);
-/// Spin iterations before a wait sleeps: ~100 µs of spinning when every rank has a core of its
-/// own, a few µs when ranks outnumber cores (then the rank we wait for needs our core).
-const SPIN_DEDICATED: u32 = 20_000;
-const SPIN_OVERSUBSCRIBED: u32 = 100;
+/// Spin iterations before a wait sleeps. One iteration is a load and a `pause` (~25 ns on the
+/// AMD EPYC CI machine; docs/perf-notes.md): ~50 µs of spinning when every rank has a core of
+/// its own, ~1 µs when ranks outnumber cores (then the rank we wait for needs our core).
+/// 20 000 (0.5 ms) made two ranks on two busy cores take 1 ms per call.
+const SPIN_DEDICATED: u32 = 2_000;
+const SPIN_OVERSUBSCRIBED: u32 = 50;
 
 pub struct RankOptions {
     /// The coordinator's rendezvous socket.

@@ -114,7 +114,11 @@ impl Device for CpuDevice {
 }
 
 /// Splits `0..len` into at most `threads` contiguous ranges and runs `f` on each, in parallel
-/// when the work is large enough to pay for starting threads (~20 µs each).
+/// on this process's worker pool when the work is large enough to pay for waking workers.
+///
+/// One pool per process (a process is one rank), created on first use with `threads` workers
+/// (rayon's pool: workers spin briefly, then sleep). Spawning threads per call instead cost
+/// milliseconds on a loaded 2-core machine (docs/perf-notes.md).
 pub(crate) fn par_ranges(
     threads: usize,
     len: usize,
@@ -126,11 +130,21 @@ pub(crate) fn par_ranges(
         f(0..len);
         return;
     }
-    std::thread::scope(|s| {
-        for t in 1..n {
-            let f = &f;
-            s.spawn(move || f(crate::comm::shard_range(len, n, t)));
-        }
-        f(crate::comm::shard_range(len, n, 0));
+    static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
+    let pool = POOL.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("tprun-cpu-{i}"))
+            .build()
+            .ok()
     });
+    match pool {
+        Some(pool) => pool.scope(|s| {
+            for t in 0..n {
+                let f = &f;
+                s.spawn(move |_| f(crate::comm::shard_range(len, n, t)));
+            }
+        }),
+        None => f(0..len),
+    }
 }
