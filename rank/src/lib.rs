@@ -8,6 +8,7 @@
 
 pub mod collective;
 pub mod error;
+pub mod model;
 
 pub use collective::Collectives;
 pub use error::RankError;
