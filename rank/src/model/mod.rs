@@ -9,6 +9,7 @@
 //! | `safetensors` | mapping checkpoint files and reading one rank's slices |
 //! | `weights` | a rank's weights on its device, shapes global and per rank |
 //! | `forward` | [`Model`]: KV cache, scratch, prefill and step |
+//! | `generate` | the prefill → sample → step loop every rank runs |
 //! | `sample` | greedy / temperature / top-k / top-p with a seeded RNG |
 //! | `tokenizer` | encode/decode through the `tokenizers` crate |
 //! | `synth` | writing a complete random-weight HF model folder |
@@ -17,6 +18,7 @@
 pub mod config;
 pub mod error;
 pub mod forward;
+pub mod generate;
 pub mod local;
 pub mod rng;
 pub mod safetensors;
@@ -32,6 +34,7 @@ mod tests;
 pub use config::{Arch, Llama3Scaling, ModelConfig};
 pub use error::ModelError;
 pub use forward::{LoadOptions, Model};
+pub use generate::{generate, GenerateOptions, GenerateStats};
 pub use local::LocalComm;
 pub use sample::{Sampler, SamplerConfig};
 pub use shard::ShardPlan;

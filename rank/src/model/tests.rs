@@ -138,6 +138,20 @@ fn stories260k_reproduces_the_transformers_reference_at_every_world_size() {
                 .enumerate()
                 .map(|(p, &t)| m.step(comm, t, p).unwrap().to_vec())
                 .collect();
+            // The library's decode loop gives the same tokens.
+            let mut sampler = Sampler::new(SamplerConfig::default());
+            let opts = GenerateOptions {
+                max_new_tokens: 201 - prompt.len(),
+                stop: m.config().eos.clone(),
+            };
+            let mut via_generate = Vec::new();
+            let st = generate(m, comm, &mut sampler, &prompt, &opts, &mut |t| {
+                via_generate.push(t);
+                Ok(true)
+            })
+            .unwrap();
+            assert_eq!(via_generate, gen);
+            assert_eq!(st.generated, gen.len());
             (gen, logits, stepped, per_token)
         });
         for (r, (gen, logits, stepped, per_token)) in results.iter().enumerate() {
@@ -168,11 +182,15 @@ fn stories260k_reproduces_the_transformers_reference_at_every_world_size() {
             }
         }
         let all: Vec<u32> = prompt.iter().chain(&results[0].0).copied().collect();
-        assert_eq!(
-            tok.decode(&all).unwrap(),
-            reference["text"].as_str().unwrap(),
-            "world {world}: text"
-        );
+        let text = reference["text"].as_str().unwrap();
+        assert_eq!(tok.decode(&all).unwrap(), text, "world {world}: text");
+        // Streaming the ids one by one yields the same text.
+        let mut stream = tokenizer::TextStream::new();
+        let mut streamed = String::new();
+        for &t in &all {
+            streamed.extend(stream.push(&tok, t).unwrap());
+        }
+        assert_eq!(streamed, text);
     }
 }
 

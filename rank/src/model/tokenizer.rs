@@ -100,3 +100,31 @@ impl TextStream {
         Ok(Some(new))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_stream_holds_back_split_utf8() {
+        let dir = std::env::temp_dir().join(format!("tprun-tok-stream-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("tokenizer.json"),
+            crate::model::synth::tokenizer_json().to_string(),
+        )
+        .unwrap();
+        let tok = Tokenizer::from_dir(&dir).unwrap();
+        let text = "a🦀é";
+        let ids = tok.encode(text).unwrap();
+        let mut s = TextStream::new();
+        let pieces: Vec<Option<String>> = ids.iter().map(|&i| s.push(&tok, i).unwrap()).collect();
+        // BOS, "a", then the crab's four bytes (three held back), then é's two bytes.
+        assert_eq!(pieces[1].as_deref(), Some("a"));
+        assert_eq!(pieces[2..5], [None, None, None]);
+        assert_eq!(pieces[5].as_deref(), Some("🦀"));
+        assert_eq!(pieces[6], None);
+        assert_eq!(pieces[7].as_deref(), Some("é"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
