@@ -15,6 +15,7 @@ pub(crate) mod rope;
 
 use super::reduce::SendPtr;
 use super::CpuBuf;
+use crate::dtype::Elem;
 use crate::{DType, KernelError, Result, View};
 
 /// Below this many multiply–adds per thread, starting a thread (~20 µs) costs more than it
@@ -64,12 +65,16 @@ pub(crate) fn same_or_disjoint(
     }
 }
 
-/// `Σ a[i]·b[i]` in f32 with 16 independent accumulators, so that the loop vectorises (and the
-/// rounding error grows with len/16 rather than len).
+/// Accumulator lanes of [`dot`]: 16 f32 = two AVX2 or four SSE registers.
+pub(crate) const DOT_LANES: usize = 16;
+
+/// `Σ a[i]·b[i]` in f32 with 16 independent accumulators (lane j sums the elements j mod 16),
+/// so that the loop vectorises and the rounding error grows with len/16 rather than len; the
+/// lanes are then folded pairwise and the tail added.
 #[inline(always)]
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
-    const L: usize = 16;
+    const L: usize = DOT_LANES;
     let mut acc = [0f32; L];
     let ca = a.chunks_exact(L);
     let cb = b.chunks_exact(L);
@@ -83,15 +88,48 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     for (x, y) in ta.iter().zip(tb) {
         tail += x * y;
     }
-    // Pairwise fold of the lanes.
-    let mut w = L;
+    fold_lanes(acc) + tail
+}
+
+/// Pairwise sum of the lanes: ((0+8)+(4+12)) + … in a fixed order.
+#[inline(always)]
+pub(crate) fn fold_lanes(mut acc: [f32; DOT_LANES]) -> f32 {
+    let mut w = DOT_LANES;
     while w > 1 {
         w /= 2;
         for j in 0..w {
             acc[j] += acc[j + w];
         }
     }
-    acc[0] + tail
+    acc[0]
+}
+
+/// Widens `src` to f32 into `dst` (same length), with the `half` crate's slice conversions,
+/// which use F16C on x86-64 CPUs that have it (per-element f16 conversion does not).
+#[inline(always)]
+pub(crate) fn widen<T: Elem>(src: &[T], dst: &mut [f32]) {
+    use half::slice::HalfFloatSliceExt;
+    debug_assert_eq!(src.len(), dst.len());
+    match T::DTYPE {
+        DType::F32 => {
+            for (d, s) in dst.iter_mut().zip(src) {
+                *d = s.to_f32();
+            }
+        }
+        DType::F16 => {
+            // SAFETY: the only Elem whose DTYPE is F16 is half::f16, so this is a same-type
+            // view of `src`.
+            let s =
+                unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<half::f16>(), src.len()) };
+            s.convert_to_f32_slice(dst);
+        }
+        DType::BF16 => {
+            // SAFETY: as above, for half::bf16.
+            let s =
+                unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<half::bf16>(), src.len()) };
+            s.convert_to_f32_slice(dst);
+        }
+    }
 }
 
 #[cfg(test)]
