@@ -2,9 +2,9 @@
 //! cache, with f32 scores and softmax (as transformers' eager attention in f32).
 
 use super::super::{par_ranges, CpuBuf, CpuDevice};
-use super::{f32_ptr, overlaps, typed_ptr};
+use super::{dot, f32_ptr, overlaps, typed_ptr, widen};
 use crate::dtype::Elem;
-use crate::{with_dtype, KernelError, Result, View};
+use crate::{with_dtype, DType, KernelError, Result, View};
 
 pub(crate) struct AttnArgs<'v, 'a> {
     pub q: &'v View<'a, CpuBuf>,
@@ -50,6 +50,7 @@ pub(crate) fn attention(dev: &CpuDevice, a: AttnArgs<'_, '_>) -> Result<()> {
         par_ranges(dev.threads(), rows * heads, ((1 << 15) / (seq * hd)).max(1), |r| {
             let mut scores = vec![0f32; seq];
             let mut acc = vec![0f32; hd];
+            let mut krow = vec![0f32; hd];
             for item in r {
                 let (row, h) = (item / heads, item % heads);
                 let kh = h / group;
@@ -62,11 +63,14 @@ pub(crate) fn attention(dev: &CpuDevice, a: AttnArgs<'_, '_>) -> Result<()> {
                     let mut max = f32::NEG_INFINITY;
                     for (t, s) in scores[..len].iter_mut().enumerate() {
                         let kv = std::slice::from_raw_parts(k.get().add(t * kv_row + kh * hd), hd);
-                        let mut d = 0f32;
-                        for (x, y) in qv.iter().zip(kv) {
-                            d += x * y.to_f32();
-                        }
-                        *s = d * scale;
+                        let kf: &[f32] = if T::DTYPE == DType::F32 {
+                            // T is f32 when its DTYPE is F32 (the only such Elem).
+                            std::slice::from_raw_parts(kv.as_ptr().cast::<f32>(), hd)
+                        } else {
+                            widen(kv, &mut krow);
+                            &krow
+                        };
+                        *s = dot(qv, kf) * scale;
                         max = max.max(*s);
                     }
                     let mut sum = 0f32;
