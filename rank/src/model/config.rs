@@ -403,7 +403,8 @@ impl ModelConfig {
 
     /// Builds the JSON object of a config.json for this config (used by `synth`).
     pub fn to_json(&self) -> Value {
-        let mut v = serde_json::json!({
+        use serde_json::json;
+        let mut v = json!({
             "architectures": [self.arch.hf_name()],
             "model_type": self.arch.model_type(),
             "hidden_size": self.hidden,
@@ -419,14 +420,20 @@ impl ModelConfig {
             "rope_theta": self.rope_theta,
             "rope_scaling": null,
             "tie_word_embeddings": self.tie_embeddings,
-            "torch_dtype": match self.dtype.unwrap_or(DType::F32) {
+            "bos_token_id": self.bos,
+        });
+        if let Some(d) = self.dtype {
+            v["torch_dtype"] = json!(match d {
                 DType::F32 => "float32",
                 DType::F16 => "float16",
                 DType::BF16 => "bfloat16",
-            },
-            "bos_token_id": self.bos,
-            "eos_token_id": self.eos.first(),
-        });
+            });
+        }
+        v["eos_token_id"] = match self.eos.as_slice() {
+            [] => Value::Null,
+            [one] => json!(one),
+            many => json!(many),
+        };
         if let Some(s) = self.rope_scaling {
             v["rope_scaling"] = serde_json::json!({
                 "rope_type": "llama3",
@@ -479,6 +486,22 @@ mod tests {
         v["head_dim"] = serde_json::json!(16);
         let c = parse(v).unwrap();
         assert!(c.qk_norm && c.head_dim == 16);
+    }
+
+    #[test]
+    fn mistral_and_eos_lists_parse() {
+        let mut v = llama();
+        v["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+        v["sliding_window"] = serde_json::json!(4096);
+        v["eos_token_id"] = serde_json::json!([2, 7]);
+        v["tie_word_embeddings"] = serde_json::json!(false);
+        let c = parse(v).unwrap();
+        assert_eq!(c.arch, Arch::Mistral);
+        assert_eq!(c.eos, vec![2, 7]);
+        assert!(!c.tie_embeddings && !c.qkv_bias);
+        // What synth writes parses back to the same config.
+        let again = parse(c.to_json()).unwrap();
+        assert_eq!(again, c);
     }
 
     #[test]
