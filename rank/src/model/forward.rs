@@ -3,8 +3,20 @@
 //! matrix–matrix products, then one token per `step`).
 //!
 //! Every piece of math is an [`Op`] run through [`Device::run`], so a GPU backend runs this
-//! same forward; the model never touches a raw pointer. The two row-parallel projections of
-//! each layer end in [`Collectives::allreduce`], as do the vocab-parallel embedding and LM head.
+//! same forward; the model never touches a raw pointer. Per forward pass there are
+//! `2 · layers + 2` calls to [`Collectives::allreduce`], all on f32 buffers:
+//!
+//! - the vocab-parallel embedding: each rank looks up the ids in its vocab rows and writes
+//!   zeros for the others, so the sum over ranks is the full lookup (exact: one non-zero term);
+//! - after o_proj and after down_proj (row-parallel: each rank's partial product);
+//! - the vocab-parallel LM head: each rank writes its vocab rows' logits into a zero-filled
+//!   full-vocab buffer and the allreduce of that buffer is an all-gather (again exact). It
+//!   moves `world` times the bytes a real all-gather would, which for one row of logits per
+//!   step is a few hundred KiB at most, and needs no second collective.
+//!
+//! Only the row-parallel sums depend on the world size (their f32 addition order), so logits
+//! at different world sizes agree to about 1e-6 relative; on one world size every rank holds
+//! bitwise the same logits and so samples the same token.
 //!
 //! Must not: pick tokens (see `sample`), know about processes or print.
 
@@ -36,8 +48,8 @@ impl Default for LoadOptions {
         LoadOptions {
             dtype: None,
             max_seq: None,
-            // 512 tokens: a typical prompt in one pass, and scratch of a few MiB per rank
-            // even at hidden 8192.
+            // 512 tokens: a typical prompt in one pass; scratch is then 2 KiB × hidden per
+            // activation buffer (16 MiB at hidden 8192).
             prefill_chunk: 512,
         }
     }

@@ -21,6 +21,9 @@ use super::{safetensors, Arch, Llama3Scaling, ModelConfig, ModelError};
 pub enum Preset {
     /// For CI: hidden 64, 3 layers, 8 heads over 4 KV heads, an odd MLP width (97), vocab 300.
     Tiny,
+    /// For CPU demos and benchmarks: hidden 512, 8 layers, 8 heads over 4 KV heads (head 64),
+    /// MLP 1376, vocab 32000: 39.6M parameters with tied embeddings, 79 MB in bf16.
+    Small,
     /// Llama 3.1 8B's shapes (meta-llama/Llama-3.1-8B config.json).
     Llama3_8b,
     /// Qwen3 32B's shapes (Qwen/Qwen3-32B config.json).
@@ -28,11 +31,17 @@ pub enum Preset {
 }
 
 impl Preset {
-    pub const ALL: [Preset; 3] = [Preset::Tiny, Preset::Llama3_8b, Preset::Qwen3_32b];
+    pub const ALL: [Preset; 4] = [
+        Preset::Tiny,
+        Preset::Small,
+        Preset::Llama3_8b,
+        Preset::Qwen3_32b,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             Preset::Tiny => "tiny",
+            Preset::Small => "small",
             Preset::Llama3_8b => "llama3-8b",
             Preset::Qwen3_32b => "qwen3-32b",
         }
@@ -92,6 +101,14 @@ pub fn config_for(opts: &SynthOptions) -> ModelConfig {
     };
     match opts.preset {
         Preset::Tiny => {}
+        Preset::Small => {
+            c.hidden = 512;
+            c.intermediate = 1376;
+            c.layers = 8;
+            c.head_dim = 64;
+            c.vocab = 32000;
+            c.max_positions = 2048;
+        }
         Preset::Llama3_8b => {
             c.hidden = 4096;
             c.intermediate = 14336;
@@ -338,6 +355,12 @@ mod tests {
             .map(|t| t.2.iter().product::<usize>())
             .sum();
         assert_eq!(params, 8_030_261_248); // Llama 3.1 8B's parameter count
+        let c = config_for(&o(Arch::Llama, Preset::Small));
+        let params: usize = tensor_list(&c, DType::BF16)
+            .iter()
+            .map(|t| t.2.iter().product::<usize>())
+            .sum();
+        assert_eq!(params, 39_592_448);
         let c = config_for(&o(Arch::Qwen3, Preset::Qwen3_32b));
         let params: usize = tensor_list(&c, DType::BF16)
             .iter()

@@ -446,3 +446,38 @@ fn bad_model_folders_fail_with_a_message_naming_the_culprit() {
     std::fs::remove_dir_all(&d).unwrap();
     std::fs::remove_dir_all(&good).unwrap();
 }
+
+/// Decode speed of the `small` synthetic model (58M parameters, bf16) at 1 and 2 ranks:
+/// `cargo test --release -p tprun-rank small_model_decode_speed -- --ignored --nocapture`
+#[test]
+#[ignore]
+fn small_model_decode_speed() {
+    let dir = tmpdir("small-bench");
+    let opts = SynthOptions {
+        arch: Arch::Llama,
+        preset: Preset::Small,
+        dtype: DType::BF16,
+        seed: 1,
+        tie_embeddings: None,
+    };
+    synth(&dir, &opts, &mut |_, _| {}).unwrap();
+    let prompt: Vec<u32> = (0..64).map(|i| 3 + i * 7).collect();
+    for world in [1usize, 2] {
+        let stats = run_ranks(&dir, world, &LoadOptions::default(), |m, comm| {
+            let mut s = Sampler::new(SamplerConfig::default());
+            let g = GenerateOptions {
+                max_new_tokens: 64,
+                stop: vec![],
+            };
+            generate(m, comm, &mut s, &prompt, &g, &mut |_| Ok(true)).unwrap()
+        });
+        let st = &stats[0];
+        println!(
+            "small bf16 world {world}: prefill {} tokens in {:?}, decode {:.1} tokens/s",
+            st.prompt_tokens,
+            st.prefill,
+            st.decode_tokens_per_s()
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
