@@ -39,4 +39,4 @@ pub use local::LocalComm;
 pub use sample::{Sampler, SamplerConfig};
 pub use shard::ShardPlan;
 pub use synth::{synth, Preset, SynthOptions};
-pub use tokenizer::Tokenizer;
+pub use tokenizer::{TextStream, Tokenizer};
