@@ -123,7 +123,8 @@ pub enum Op<'a, B> {
     /// Embedding lookup in one vocab shard. `table`: [rows, hidden] (any dtype) holding vocab
     /// ids `vocab_start..vocab_start + rows`; `out`: [ids.len(), hidden] f32. Row `i` of `out`
     /// is the table row of `ids[i]`, or zeros when that id lies outside this shard (the sum
-    /// over all shards is then the full lookup).
+    /// over all shards is then the full lookup). `ids` are host memory; a GPU backend uploads
+    /// them with the launch.
     Embedding {
         table: View<'a, B>,
         vocab_start: usize,

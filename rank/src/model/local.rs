@@ -9,7 +9,9 @@ use tprun_kernels::{AllreduceArgs, CommAlgo, CommLayout, Device, Op, View};
 
 use crate::{Collectives, RankError};
 
-/// How long a rank waits for its peers in one allreduce before failing.
+/// How long a rank waits for its peers in one allreduce before failing: far above any real
+/// wait (microseconds), generous enough for unoptimised test builds on a loaded 2-core
+/// machine where ranks outnumber cores.
 const TIMEOUT: Duration = Duration::from_secs(60);
 
 pub struct LocalComm<D: Device> {

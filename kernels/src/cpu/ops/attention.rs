@@ -2,7 +2,7 @@
 //! cache, with f32 scores and softmax (as transformers' eager attention in f32).
 
 use super::super::{par_ranges, CpuBuf, CpuDevice};
-use super::{dot, f32_ptr, overlaps, typed_ptr, widen};
+use super::{dot, f32_ptr, overlaps, typed_ptr, widen, MIN_WORK_PER_THREAD};
 use crate::dtype::Elem;
 use crate::{with_dtype, DType, KernelError, Result, View};
 
@@ -47,7 +47,7 @@ pub(crate) fn attention(dev: &CpuDevice, a: AttnArgs<'_, '_>) -> Result<()> {
         let v = typed_ptr::<T>(a.v_cache, seq * kv_row, "attention v_cache")?;
         // One work item per (query row, head); later rows see more keys, so items interleave
         // poorly only at the edges of a range.
-        par_ranges(dev.threads(), rows * heads, ((1 << 15) / (seq * hd)).max(1), |r| {
+        par_ranges(dev.threads(), rows * heads, (MIN_WORK_PER_THREAD / (seq * hd)).max(1), |r| {
             let mut scores = vec![0f32; seq];
             let mut acc = vec![0f32; hd];
             let mut krow = vec![0f32; hd];

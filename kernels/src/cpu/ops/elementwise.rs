@@ -5,7 +5,8 @@ use super::super::{par_ranges, CpuBuf, CpuDevice};
 use super::{f32_ptr, same_or_disjoint};
 use crate::{with_dtype, KernelError, Result, View};
 
-/// Elements per thread below which threads do not pay.
+/// Elements per thread below which threads do not pay: the figure `reduce.rs` uses for the
+/// same kind of streaming loop.
 const MIN_PER_THREAD: usize = 1 << 16;
 
 pub(crate) fn fill(dev: &CpuDevice, dst: &View<'_, CpuBuf>, value: f32) -> Result<()> {

@@ -1,7 +1,7 @@
 //! `Embedding`: rows of one vocab shard of the embedding table, zeros for ids outside it.
 
 use super::super::{par_ranges, CpuBuf, CpuDevice};
-use super::{f32_ptr, typed_ptr};
+use super::{f32_ptr, typed_ptr, MIN_WORK_PER_THREAD};
 use crate::dtype::Elem;
 use crate::{with_dtype, KernelError, Result, View};
 
@@ -24,7 +24,7 @@ pub(crate) fn embedding(
     let o = f32_ptr(out, m * hidden, "embedding out")?;
     with_dtype!(table.dtype, T => {
         let t = typed_ptr::<T>(table, table.len, "embedding table")?;
-        par_ranges(dev.threads(), m, (1 << 14) / hidden + 1, |r| {
+        par_ranges(dev.threads(), m, MIN_WORK_PER_THREAD / hidden + 1, |r| {
             for i in r {
                 // SAFETY: row i of `out` is inside the m·hidden elements checked above and
                 // belongs to this thread only.
