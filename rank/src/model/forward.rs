@@ -34,8 +34,11 @@ use crate::{Collectives, RankError};
 #[derive(Clone, Debug)]
 pub struct LoadOptions {
     /// Dtype the matrices are stored in on the device (`None` = "auto": as in the checkpoint).
-    /// Norm weights and biases are always f32; activations and the KV cache are f32.
+    /// Norm weights and biases are always f32; activations are f32.
     pub dtype: Option<DType>,
+    /// Dtype of the KV cache (f32 by default; bf16 or f16 halve its memory, and each new
+    /// key/value is rounded once as it is stored).
+    pub kv_dtype: DType,
     /// KV-cache length in tokens (`None`: `max_position_embeddings`, at most 4096).
     pub max_seq: Option<usize>,
     /// Most prompt tokens run through one batched pass; longer prompts are prefilled in
@@ -47,6 +50,7 @@ impl Default for LoadOptions {
     fn default() -> Self {
         LoadOptions {
             dtype: None,
+            kv_dtype: DType::F32,
             max_seq: None,
             // 512 tokens: a typical prompt in one pass; scratch is then 2 KiB × hidden per
             // activation buffer (16 MiB at hidden 8192).
@@ -59,7 +63,8 @@ impl Default for LoadOptions {
 /// `max_position_embeddings` is 128k.
 const DEFAULT_MAX_SEQ: usize = 4096;
 
-/// Per-layer KV cache: [max_seq, nkv·d] f32 each, row `p` holding position `p`.
+/// Per-layer KV cache: [max_seq, nkv·d] each, in `Model::kv_dtype`, row `p` holding
+/// position `p`.
 struct KvCache<B> {
     k: B,
     v: B,
@@ -96,6 +101,7 @@ pub struct Model<D: Device> {
     plan: ShardPlan,
     w: Weights<D::Buf>,
     kv: Vec<KvCache<D::Buf>>,
+    kv_dtype: DType,
     s: Scratch<D::Buf>,
     max_seq: usize,
     chunk: usize,
@@ -148,8 +154,8 @@ impl<D: Device> Model<D> {
         let kv = (0..cfg.layers)
             .map(|_| {
                 Ok(KvCache {
-                    k: f(max_seq * nkv)?,
-                    v: f(max_seq * nkv)?,
+                    k: dev.alloc(max_seq * nkv * opts.kv_dtype.size())?,
+                    v: dev.alloc(max_seq * nkv * opts.kv_dtype.size())?,
                 })
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
@@ -179,6 +185,7 @@ impl<D: Device> Model<D> {
             plan,
             w,
             kv,
+            kv_dtype: opts.kv_dtype,
             s,
             max_seq,
             chunk,
@@ -367,20 +374,21 @@ impl<D: Device> Model<D> {
                 pos0,
             })?;
             // cache[pos0..pos0+m] = k, v
-            let at = pos0 * nkv * 4;
+            let kvt = self.kv_dtype;
+            let at = pos0 * nkv * kvt.size();
             dev.run(&Op::Copy {
                 src: f32v(&s.k, m * nkv),
-                dst: View::new(&kv.k, at, m * nkv, DType::F32),
+                dst: View::new(&kv.k, at, m * nkv, kvt),
             })?;
             dev.run(&Op::Copy {
                 src: f32v(&s.v, m * nkv),
-                dst: View::new(&kv.v, at, m * nkv, DType::F32),
+                dst: View::new(&kv.v, at, m * nkv, kvt),
             })?;
             // att = softmax(q·kᵀ / √d + causal mask) · v
             dev.run(&Op::Attention {
                 q: f32v(&s.q, m * nq),
-                k_cache: f32v(&kv.k, (pos0 + m) * nkv),
-                v_cache: f32v(&kv.v, (pos0 + m) * nkv),
+                k_cache: View::new(&kv.k, 0, (pos0 + m) * nkv, kvt),
+                v_cache: View::new(&kv.v, 0, (pos0 + m) * nkv, kvt),
                 out: f32v(&s.att, m * nq),
                 rows: m,
                 heads: nqh,

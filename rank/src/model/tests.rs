@@ -262,6 +262,20 @@ fn synthetic_models_agree_across_world_sizes() {
                     "{arch:?} {dtype} world {world}: relative error {e}"
                 );
             }
+            if arch == Arch::Llama {
+                // A bf16 KV cache: the same tokens here, logits within bf16 rounding.
+                let kv16 = LoadOptions {
+                    kv_dtype: DType::BF16,
+                    ..LoadOptions::default()
+                };
+                let (ids, logits) = run(2, &kv16);
+                let e = rel_err(&logits, &base_logits);
+                assert!(
+                    e <= 2e-2,
+                    "{arch:?} {dtype} bf16 kv cache: relative error {e}"
+                );
+                assert_eq!(ids[..4], base_ids[..4]);
+            }
             if dtype == DType::F32 {
                 // Converting the f32 file to bf16 at load time gives exactly the bf16 file's
                 // model (synth draws the same f32 values and rounds them the same way).
