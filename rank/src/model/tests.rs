@@ -10,6 +10,7 @@ use tprun_kernels::cpu::CpuDevice;
 use tprun_kernels::DType;
 
 use super::sample::argmax;
+use super::synth::SYNTH_BOS;
 use super::*;
 
 /// `<repo root>/../shared/models/stories260k` (the worktree's and CI's layout).
@@ -494,4 +495,60 @@ fn small_model_decode_speed() {
         );
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The same model stored as two shard files plus `model.safetensors.index.json` loads to the
+/// same logits as the single file.
+#[test]
+fn sharded_checkpoint_equals_single_file() {
+    let single = synth_tiny("single", Arch::Qwen2, DType::BF16);
+    let split = tmpdir("split");
+    for f in ["config.json", "generation_config.json", "tokenizer.json"] {
+        std::fs::copy(single.join(f), split.join(f)).unwrap();
+    }
+    let ck = safetensors::Checkpoint::open(&single).unwrap();
+    let (file, _) = ck.info("model.norm.weight").unwrap();
+    let mut names: Vec<String> = file.tensors().keys().cloned().collect();
+    names.sort();
+    let half = names.len() / 2;
+    let mut weight_map = serde_json::Map::new();
+    for (i, part) in [&names[..half], &names[half..]].into_iter().enumerate() {
+        let fname = format!("model-0000{}-of-00002.safetensors", i + 1);
+        let list: Vec<(String, DType, Vec<usize>)> = part
+            .iter()
+            .map(|n| {
+                let (_, t) = ck.info(n).unwrap();
+                (n.clone(), t.dtype, t.shape.clone())
+            })
+            .collect();
+        safetensors::write(&split.join(&fname), &list, &mut |j, out| {
+            let (n, dt, shape) = &list[j];
+            let mut res = Ok(());
+            ck.read(n, shape, &safetensors::Slice::Full, *dt, &mut |_, b| {
+                res = out(b);
+                Ok(())
+            })
+            .unwrap();
+            res
+        })
+        .unwrap();
+        for n in part {
+            weight_map.insert(n.clone(), Value::String(fname.clone()));
+        }
+    }
+    std::fs::write(
+        split.join("model.safetensors.index.json"),
+        serde_json::json!({"metadata": {}, "weight_map": weight_map}).to_string(),
+    )
+    .unwrap();
+    let prompt = [SYNTH_BOS, 72, 105];
+    let a = run_ranks(&single, 2, &LoadOptions::default(), |m, c| {
+        greedy(m, c, &prompt, 4)
+    });
+    let b = run_ranks(&split, 2, &LoadOptions::default(), |m, c| {
+        greedy(m, c, &prompt, 4)
+    });
+    assert!(a == b, "sharded checkpoint differs");
+    std::fs::remove_dir_all(&single).unwrap();
+    std::fs::remove_dir_all(&split).unwrap();
 }
