@@ -515,13 +515,15 @@ mod tests {
             e.contains("model.safetensors") && e.contains("truncated") && e.contains("`w`"),
             "{e}"
         );
-        // Truncated to less than the length prefix.
-        std::fs::write(&p, &good[..3]).unwrap();
-        assert!(Checkpoint::open(&d)
-            .err()
-            .unwrap()
-            .to_string()
-            .contains("truncated"));
+        // Truncated to less than the length prefix, or to nothing.
+        for len in [3, 0] {
+            std::fs::write(&p, &good[..len]).unwrap();
+            let e = Checkpoint::open(&d).err().unwrap().to_string();
+            assert!(
+                e.contains("model.safetensors") && e.contains("truncated"),
+                "{e}"
+            );
+        }
         // Corrupted header: bad JSON.
         let mut bad = good.clone();
         bad[9] = b'#';
