@@ -116,6 +116,88 @@ pub enum Op<'a, B> {
     /// A peer-buffer allreduce (`oneshot` or `twoshot`), in place on `args.data`; see
     /// [`crate::comm`].
     Allreduce(AllreduceArgs<'a, B>),
+
+    // ---- Decode ops (CPU twins in `cpu/ops/`). Activations are f32; weights any dtype. ----
+    /// `dst[i] ← value` for every element (any dtype).
+    Fill { dst: View<'a, B>, value: f32 },
+    /// Embedding lookup in one vocab shard. `table`: [rows, hidden] (any dtype) holding vocab
+    /// ids `vocab_start..vocab_start + rows`; `out`: [ids.len(), hidden] f32. Row `i` of `out`
+    /// is the table row of `ids[i]`, or zeros when that id lies outside this shard (the sum
+    /// over all shards is then the full lookup). `ids` are host memory; a GPU backend uploads
+    /// them with the launch.
+    Embedding {
+        table: View<'a, B>,
+        vocab_start: usize,
+        ids: &'a [u32],
+        hidden: usize,
+        out: View<'a, B>,
+    },
+    /// RMSNorm over `rows` rows of `dim`: `out[r] = x[r] / sqrt(mean(x[r]²) + eps) · w`, with
+    /// `x`, `out`: [rows, dim] f32 (may be the same view), `w`: [dim] (any dtype). Per-head
+    /// q/k norm is the same op with rows = tokens · heads and dim = head_dim.
+    RmsNorm {
+        x: View<'a, B>,
+        w: View<'a, B>,
+        out: View<'a, B>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    },
+    /// Rotary position embedding, Hugging Face "rotate halves" convention, in place on `x`:
+    /// [rows, heads, head_dim] f32, row `r` at position `pos0 + r`. `inv_freq`: [head_dim / 2]
+    /// f32 (theta and any `rope_scaling` already applied). For `i < head_dim / 2`, with
+    /// `a = (pos · inv_freq[i])` in f32: `(x[i], x[i+h/2]) ← (x[i]·cos a − x[i+h/2]·sin a,
+    /// x[i+h/2]·cos a + x[i]·sin a)`.
+    Rope {
+        x: View<'a, B>,
+        inv_freq: View<'a, B>,
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        pos0: usize,
+    },
+    /// Causal grouped-query attention of `rows` query positions `pos0..pos0 + rows` over a KV
+    /// cache. `q`, `out`: [rows, heads, head_dim] f32; `k_cache`, `v_cache`: [≥ pos0 + rows,
+    /// kv_heads, head_dim] (any dtype), already holding these positions. Query head `h` reads
+    /// KV head `h / (heads / kv_heads)`; query `r` sees cache positions `0..=pos0 + r`.
+    /// Scores `q·k · scale` and the softmax are f32.
+    Attention {
+        q: View<'a, B>,
+        k_cache: View<'a, B>,
+        v_cache: View<'a, B>,
+        out: View<'a, B>,
+        rows: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        pos0: usize,
+        scale: f32,
+    },
+    /// `out[i] = silu(gate[i]) · up[i]`, `silu(g) = g / (1 + e^−g)`; f32, same length; `out`
+    /// may be `gate` or `up`.
+    SiluMul {
+        gate: View<'a, B>,
+        up: View<'a, B>,
+        out: View<'a, B>,
+    },
+    /// `out[i] = a[i] + b[i]` (the residual add); f32, same length; `out` may be `a` or `b`.
+    Add {
+        a: View<'a, B>,
+        b: View<'a, B>,
+        out: View<'a, B>,
+    },
+    /// `y = x · wᵀ (+ bias)`: `x`: [m, k] f32, `w`: [n, k] (f32, f16 or bf16; a Linear's
+    /// [out, in] layout), `bias`: [n] f32, `y`: [m, n] f32, accumulated in f32. `m = 1` is the
+    /// decode matrix–vector product; prefill uses `m` = prompt tokens. `y` must not overlap `x`.
+    Matmul {
+        x: View<'a, B>,
+        w: View<'a, B>,
+        bias: Option<View<'a, B>>,
+        y: View<'a, B>,
+        m: usize,
+        k: usize,
+        n: usize,
+    },
 }
 
 /// A compute device as seen by one rank.

@@ -12,6 +12,7 @@ pub mod comm;
 pub mod error;
 pub mod fault;
 pub mod job;
+pub mod model;
 pub mod run;
 
 pub use collective::Collectives;

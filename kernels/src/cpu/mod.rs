@@ -6,6 +6,7 @@
 
 mod allreduce;
 mod buf;
+mod ops;
 mod reduce;
 pub mod wait;
 
@@ -104,6 +105,67 @@ impl Device for CpuDevice {
             Op::Copy { src, dst } => reduce::copy(self, src, dst),
             Op::ReduceSum { inputs, out } => reduce::reduce_sum(self, inputs, out),
             Op::Allreduce(args) => allreduce::allreduce(self, args),
+            Op::Fill { dst, value } => ops::elementwise::fill(self, dst, *value),
+            Op::Embedding {
+                table,
+                vocab_start,
+                ids,
+                hidden,
+                out,
+            } => ops::embedding::embedding(self, table, *vocab_start, ids, *hidden, out),
+            Op::RmsNorm {
+                x,
+                w,
+                out,
+                rows,
+                dim,
+                eps,
+            } => ops::norm::rms_norm(self, x, w, out, *rows, *dim, *eps),
+            Op::Rope {
+                x,
+                inv_freq,
+                rows,
+                heads,
+                head_dim,
+                pos0,
+            } => ops::rope::rope(self, x, inv_freq, *rows, *heads, *head_dim, *pos0),
+            Op::Attention {
+                q,
+                k_cache,
+                v_cache,
+                out,
+                rows,
+                heads,
+                kv_heads,
+                head_dim,
+                pos0,
+                scale,
+            } => ops::attention::attention(
+                self,
+                ops::attention::AttnArgs {
+                    q,
+                    k_cache,
+                    v_cache,
+                    out,
+                    rows: *rows,
+                    heads: *heads,
+                    kv_heads: *kv_heads,
+                    head_dim: *head_dim,
+                    pos0: *pos0,
+                    scale: *scale,
+                },
+            ),
+            Op::SiluMul { gate, up, out } => ops::elementwise::silu_mul(self, gate, up, out),
+            Op::Add { a, b, out } => ops::elementwise::add(self, a, b, out),
+            Op::Matmul {
+                x,
+                w,
+                bias,
+                y,
+                m,
+                k,
+                n,
+            } => ops::matmul::matmul(self, x, w, bias.as_ref(), y, *m, *k, *n),
         }
     }
 

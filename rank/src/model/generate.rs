@@ -1,0 +1,83 @@
+//! The decode loop every rank runs: prefill the prompt, then sample and step until a stop id
+//! or the token budget. All ranks run it in lockstep with the same sampler seed, so they pick
+//! the same tokens; only what each caller does with `on_token` differs (rank 0 publishes).
+
+use std::time::{Duration, Instant};
+
+use tprun_kernels::Device;
+
+use super::{Model, Sampler};
+use crate::{Collectives, RankError};
+
+#[derive(Clone, Debug, Default)]
+pub struct GenerateOptions {
+    /// Most tokens to generate after the prompt (also capped by the KV cache).
+    pub max_new_tokens: usize,
+    /// Generation stops when one of these is sampled (not passed to `on_token`); usually the
+    /// config's eos ids.
+    pub stop: Vec<u32>,
+}
+
+/// What a generation did, for the CLI's summary line.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GenerateStats {
+    pub prompt_tokens: usize,
+    pub generated: usize,
+    /// A stop id ended generation (rather than the budget or `on_token`).
+    pub stopped: bool,
+    /// Wall time of the prefill (prompt forward + first sample).
+    pub prefill: Duration,
+    /// Wall time of all decode steps.
+    pub decode: Duration,
+}
+
+impl GenerateStats {
+    /// Decode throughput in tokens per second (steps after the first token).
+    pub fn decode_tokens_per_s(&self) -> f64 {
+        let steps = self.generated.saturating_sub(1);
+        if steps == 0 || self.decode.is_zero() {
+            0.0
+        } else {
+            steps as f64 / self.decode.as_secs_f64()
+        }
+    }
+}
+
+/// Prefills `prompt` and generates up to `opts.max_new_tokens` tokens, calling
+/// `on_token(id)` for each; `on_token` returns `false` to stop early. Every rank must call
+/// this with the same prompt, options and sampler seed.
+pub fn generate<D: Device>(
+    model: &mut Model<D>,
+    comm: &mut dyn Collectives<D>,
+    sampler: &mut Sampler,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    on_token: &mut dyn FnMut(u32) -> Result<bool, RankError>,
+) -> Result<GenerateStats, RankError> {
+    let mut st = GenerateStats {
+        prompt_tokens: prompt.len(),
+        ..Default::default()
+    };
+    let budget = opts
+        .max_new_tokens
+        .min(model.max_seq().saturating_sub(prompt.len()) + 1);
+    let t0 = Instant::now();
+    let mut next = sampler.sample(model.prefill(comm, prompt)?);
+    st.prefill = t0.elapsed();
+    let t1 = Instant::now();
+    let mut pos = prompt.len();
+    while st.generated < budget {
+        if opts.stop.contains(&next) {
+            st.stopped = true;
+            break;
+        }
+        st.generated += 1;
+        if !on_token(next)? || st.generated == budget {
+            break;
+        }
+        next = sampler.sample(model.step(comm, next, pos)?);
+        pos += 1;
+    }
+    st.decode = t1.elapsed();
+    Ok(st)
+}

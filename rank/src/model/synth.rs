@@ -1,0 +1,385 @@
+//! Writing a complete Hugging Face model folder with seeded random weights: `config.json`,
+//! `generation_config.json`, `model.safetensors` (streamed to disk a chunk at a time, with a
+//! progress callback) and a byte-level `tokenizer.json`. For tests, benchmarks and demos of
+//! real model shapes without downloading a checkpoint.
+//!
+//! Weights are uniform with standard deviation 1/√fan_in (so every projection keeps unit-scale
+//! activations unit-scale), the embedding and LM head 1/√hidden (so logits come out with a
+//! standard deviation near 1), norm weights 1 ± 0.1 and biases ± 0.1.
+
+use std::path::Path;
+
+use serde_json::{json, Value};
+use tprun_kernels::dtype::encode;
+use tprun_kernels::DType;
+
+use super::rng::Rng;
+use super::{safetensors, Arch, Llama3Scaling, ModelConfig, ModelError};
+
+/// Model shapes `synth` knows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Preset {
+    /// For CI: hidden 64, 3 layers, 8 heads over 4 KV heads, an odd MLP width (97), vocab 300.
+    Tiny,
+    /// For CPU demos and benchmarks: hidden 512, 8 layers, 8 heads over 4 KV heads (head 64),
+    /// MLP 1376, vocab 32000: 39.6M parameters with tied embeddings, 79 MB in bf16.
+    Small,
+    /// Llama 3.1 8B's shapes (meta-llama/Llama-3.1-8B config.json).
+    Llama3_8b,
+    /// Qwen3 32B's shapes (Qwen/Qwen3-32B config.json).
+    Qwen3_32b,
+}
+
+impl Preset {
+    pub const ALL: [Preset; 4] = [
+        Preset::Tiny,
+        Preset::Small,
+        Preset::Llama3_8b,
+        Preset::Qwen3_32b,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Preset::Tiny => "tiny",
+            Preset::Small => "small",
+            Preset::Llama3_8b => "llama3-8b",
+            Preset::Qwen3_32b => "qwen3-32b",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Preset> {
+        Self::ALL.into_iter().find(|p| p.name() == s)
+    }
+}
+
+impl Arch {
+    /// The CLI's names for `synth --arch`: llama, mistral, qwen2, qwen3.
+    pub fn parse(s: &str) -> Option<Arch> {
+        [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3]
+            .into_iter()
+            .find(|a| a.model_type() == s)
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct SynthOptions {
+    pub arch: Arch,
+    pub preset: Preset,
+    /// Dtype of every tensor in the file.
+    pub dtype: DType,
+    pub seed: u64,
+    /// Override the preset's choice of tied embeddings.
+    pub tie_embeddings: Option<bool>,
+}
+
+/// Token ids of the synthetic tokenizer's special tokens; bytes are ids 0–255.
+pub const SYNTH_BOS: u32 = 256;
+pub const SYNTH_EOS: u32 = 257;
+
+/// The config `synth` writes for `opts`.
+pub fn config_for(opts: &SynthOptions) -> ModelConfig {
+    let arch = opts.arch;
+    let mut c = ModelConfig {
+        arch,
+        hidden: 64,
+        intermediate: 97,
+        layers: 3,
+        heads: 8,
+        kv_heads: 4,
+        head_dim: if arch == Arch::Qwen3 { 16 } else { 8 },
+        vocab: 300,
+        max_positions: 512,
+        rms_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_scaling: None,
+        qkv_bias: arch == Arch::Qwen2,
+        qk_norm: arch == Arch::Qwen3,
+        tie_embeddings: arch != Arch::Qwen3,
+        dtype: Some(opts.dtype),
+        bos: Some(SYNTH_BOS),
+        eos: vec![SYNTH_EOS],
+    };
+    match opts.preset {
+        Preset::Tiny => {}
+        Preset::Small => {
+            c.hidden = 512;
+            c.intermediate = 1376;
+            c.layers = 8;
+            c.head_dim = 64;
+            c.vocab = 32000;
+            c.max_positions = 2048;
+        }
+        Preset::Llama3_8b => {
+            c.hidden = 4096;
+            c.intermediate = 14336;
+            c.layers = 32;
+            c.heads = 32;
+            c.kv_heads = 8;
+            c.head_dim = 128;
+            c.vocab = 128256;
+            c.max_positions = 131072;
+            c.rope_theta = 500000.0;
+            c.rms_eps = 1e-5;
+            c.tie_embeddings = false;
+            if arch == Arch::Llama {
+                c.rope_scaling = Some(Llama3Scaling {
+                    factor: 8.0,
+                    low_freq_factor: 1.0,
+                    high_freq_factor: 4.0,
+                    original_max_position_embeddings: 8192.0,
+                });
+            }
+        }
+        Preset::Qwen3_32b => {
+            c.hidden = 5120;
+            c.intermediate = 25600;
+            c.layers = 64;
+            c.heads = 64;
+            c.kv_heads = 8;
+            c.head_dim = 128;
+            c.vocab = 151936;
+            c.max_positions = 40960;
+            c.rope_theta = 1_000_000.0;
+            c.rms_eps = 1e-6;
+            c.tie_embeddings = false;
+        }
+    }
+    if let Some(t) = opts.tie_embeddings {
+        c.tie_embeddings = t;
+    }
+    c
+}
+
+/// How a tensor's random values are drawn: `offset + scale · U[-1, 1)`.
+struct Init {
+    offset: f32,
+    scale: f32,
+}
+
+fn tensor_list(c: &ModelConfig, dtype: DType) -> Vec<(String, DType, Vec<usize>, Init)> {
+    let (h, d) = (c.hidden, c.head_dim);
+    // Uniform on [-a, a] has standard deviation a/√3.
+    let linear = |fan_in: usize| Init {
+        offset: 0.0,
+        scale: (3.0 / fan_in as f32).sqrt(),
+    };
+    let norm = || Init {
+        offset: 1.0,
+        scale: 0.1,
+    };
+    let bias = || Init {
+        offset: 0.0,
+        scale: 0.1,
+    };
+    let mut t = vec![(
+        "model.embed_tokens.weight".to_string(),
+        dtype,
+        vec![c.vocab, h],
+        linear(h),
+    )];
+    for i in 0..c.layers {
+        let p = format!("model.layers.{i}.");
+        let mut add = |n: &str, shape: Vec<usize>, init: Init| {
+            t.push((format!("{p}{n}"), dtype, shape, init))
+        };
+        add("input_layernorm.weight", vec![h], norm());
+        add("self_attn.q_proj.weight", vec![c.heads * d, h], linear(h));
+        add(
+            "self_attn.k_proj.weight",
+            vec![c.kv_heads * d, h],
+            linear(h),
+        );
+        add(
+            "self_attn.v_proj.weight",
+            vec![c.kv_heads * d, h],
+            linear(h),
+        );
+        if c.qkv_bias {
+            add("self_attn.q_proj.bias", vec![c.heads * d], bias());
+            add("self_attn.k_proj.bias", vec![c.kv_heads * d], bias());
+            add("self_attn.v_proj.bias", vec![c.kv_heads * d], bias());
+        }
+        if c.qk_norm {
+            add("self_attn.q_norm.weight", vec![d], norm());
+            add("self_attn.k_norm.weight", vec![d], norm());
+        }
+        add(
+            "self_attn.o_proj.weight",
+            vec![h, c.heads * d],
+            linear(c.heads * d),
+        );
+        add("post_attention_layernorm.weight", vec![h], norm());
+        add("mlp.gate_proj.weight", vec![c.intermediate, h], linear(h));
+        add("mlp.up_proj.weight", vec![c.intermediate, h], linear(h));
+        add(
+            "mlp.down_proj.weight",
+            vec![h, c.intermediate],
+            linear(c.intermediate),
+        );
+    }
+    t.push(("model.norm.weight".into(), dtype, vec![h], norm()));
+    if !c.tie_embeddings {
+        t.push(("lm_head.weight".into(), dtype, vec![c.vocab, h], linear(h)));
+    }
+    t
+}
+
+/// GPT-2's byte ↔ printable-character table for byte-level BPE: printable Latin-1 bytes map to
+/// themselves, the other 68 bytes to U+0100 onwards, in byte order.
+fn byte_chars() -> Vec<char> {
+    let printable =
+        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let mut next = 256u32;
+    (0u32..256)
+        .map(|b| {
+            if printable(b) {
+                char::from_u32(b).expect("Latin-1")
+            } else {
+                next += 1;
+                char::from_u32(next - 1).expect("below U+0200")
+            }
+        })
+        .collect()
+}
+
+/// A byte-level BPE tokenizer.json with no merges: every byte is one token (id = byte value),
+/// plus `<|bos|>` (added at the start of every encoding) and `<|eos|>`.
+pub fn tokenizer_json() -> Value {
+    let vocab: serde_json::Map<String, Value> = byte_chars()
+        .into_iter()
+        .enumerate()
+        .map(|(i, ch)| (ch.to_string(), json!(i)))
+        .collect();
+    let special = |id: u32, s: &str| {
+        json!({"id": id, "content": s, "single_word": false, "lstrip": false, "rstrip": false,
+               "normalized": false, "special": true})
+    };
+    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+    json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [special(SYNTH_BOS, "<|bos|>"), special(SYNTH_EOS, "<|eos|>")],
+        "normalizer": null,
+        "pre_tokenizer": byte_level,
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<|bos|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": "<|bos|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<|bos|>": {"id": "<|bos|>", "ids": [SYNTH_BOS], "tokens": ["<|bos|>"]}}
+        },
+        "decoder": byte_level,
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+            "ignore_merges": false, "vocab": vocab, "merges": []
+        }
+    })
+}
+
+/// Elements generated and written per chunk (256 Ki: 1 MiB of f32 staging).
+const CHUNK: usize = 1 << 18;
+
+/// Writes the model folder for `opts` into `dir` (created if needed). `progress(done, total)`
+/// is called with bytes of tensor data written so far.
+pub fn synth(
+    dir: &Path,
+    opts: &SynthOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<ModelConfig, ModelError> {
+    let cfg = config_for(opts);
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+    let write_json = |name: &str, v: &Value| {
+        let p = dir.join(name);
+        std::fs::write(&p, serde_json::to_string_pretty(v).expect("json"))
+            .map_err(|e| ModelError::io(&p, e))
+    };
+    write_json("config.json", &cfg.to_json())?;
+    write_json(
+        "generation_config.json",
+        &json!({"bos_token_id": SYNTH_BOS, "eos_token_id": cfg.eos, "do_sample": false}),
+    )?;
+    write_json("tokenizer.json", &tokenizer_json())?;
+
+    let list = tensor_list(&cfg, opts.dtype);
+    let total: u64 = list
+        .iter()
+        .map(|(_, d, s, _)| (s.iter().product::<usize>() * d.size()) as u64)
+        .sum();
+    let header: Vec<(String, DType, Vec<usize>)> = list
+        .iter()
+        .map(|(n, d, s, _)| (n.clone(), *d, s.clone()))
+        .collect();
+    let mut done = 0u64;
+    progress(0, total);
+    safetensors::write(&dir.join("model.safetensors"), &header, &mut |i, out| {
+        let (_, dtype, shape, init) = &list[i];
+        // Each tensor has its own stream, so its values do not depend on the others' sizes.
+        let mut rng = Rng::new(opts.seed ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let n: usize = shape.iter().product();
+        let mut vals = Vec::with_capacity(CHUNK.min(n));
+        let mut left = n;
+        while left > 0 {
+            let k = left.min(CHUNK);
+            vals.clear();
+            vals.extend((0..k).map(|_| init.offset + init.scale * rng.f32_sym()));
+            let bytes = encode(*dtype, &vals);
+            out(&bytes)?;
+            done += bytes.len() as u64;
+            progress(done, total);
+            left -= k;
+        }
+        Ok(())
+    })?;
+    Ok(cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Tokenizer;
+
+    #[test]
+    fn presets_have_real_shapes() {
+        let o = |arch, preset| SynthOptions {
+            arch,
+            preset,
+            dtype: DType::BF16,
+            seed: 0,
+            tie_embeddings: None,
+        };
+        let c = config_for(&o(Arch::Llama, Preset::Llama3_8b));
+        let params: usize = tensor_list(&c, DType::BF16)
+            .iter()
+            .map(|t| t.2.iter().product::<usize>())
+            .sum();
+        assert_eq!(params, 8_030_261_248); // Llama 3.1 8B's parameter count
+        let c = config_for(&o(Arch::Llama, Preset::Small));
+        let params: usize = tensor_list(&c, DType::BF16)
+            .iter()
+            .map(|t| t.2.iter().product::<usize>())
+            .sum();
+        assert_eq!(params, 39_592_448);
+        let c = config_for(&o(Arch::Qwen3, Preset::Qwen3_32b));
+        let params: usize = tensor_list(&c, DType::BF16)
+            .iter()
+            .map(|t| t.2.iter().product::<usize>())
+            .sum();
+        assert_eq!(params, 32_762_123_264); // Qwen3-32B's parameter count
+    }
+
+    #[test]
+    fn synth_tokenizer_round_trips_bytes() {
+        let dir = std::env::temp_dir().join(format!("tprun-synth-tok-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("tokenizer.json"), tokenizer_json().to_string()).unwrap();
+        let t = Tokenizer::from_dir(&dir).unwrap();
+        let text = "Hello, wörld! 🦀\n\ttabs";
+        let ids = t.encode(text).unwrap();
+        assert_eq!(ids[0], SYNTH_BOS);
+        assert_eq!(ids.len(), 1 + text.len());
+        assert_eq!(t.decode(&ids).unwrap(), text);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
