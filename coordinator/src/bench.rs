@@ -190,7 +190,10 @@ impl Observer for Collector {
             resolved,
             times_us,
             wrong,
-        } = report;
+        } = report
+        else {
+            return;
+        };
         let i = index as usize;
         if i >= self.got.len() {
             return;

@@ -66,8 +66,84 @@ pub enum Command {
         #[command(subcommand)]
         what: BenchCommand,
     },
+    /// Generate text with a model sharded across the ranks (tensor parallel).
+    Decode(DecodeArgs),
+    /// Write a complete Hugging Face model folder with seeded random weights.
+    Synth(SynthArgs),
     /// Run one rank of a job (started by the coordinator, or by hand inside a container).
     Rank(RankArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct DecodeArgs {
+    /// Hugging Face model folder (config.json, *.safetensors, tokenizer.json). Default: a tiny
+    /// synthetic Llama that tprun writes to a temporary folder (random weights: the text is
+    /// noise, but every step of the pipeline runs).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+
+    /// The prompt (default: "Once upon a time").
+    #[arg(long, conflicts_with = "prompt_file")]
+    pub prompt: Option<String>,
+
+    /// Read the prompt from a file.
+    #[arg(long)]
+    pub prompt_file: Option<PathBuf>,
+
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    pub max_new_tokens: usize,
+
+    /// Sampling temperature; 0 = greedy.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f32,
+
+    /// Nucleus sampling: keep the smallest set of tokens with this much probability.
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+
+    /// Keep only the K most likely tokens (0 = all).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+
+    /// Seed of the sampler (every rank uses it, so all agree on each token).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+
+    /// Dtype of the weight matrices on the device: auto (as stored), f32, bf16, f16.
+    #[arg(long, default_value = "auto")]
+    pub dtype: String,
+
+    /// Do not stop at the model's end-of-sequence ids.
+    #[arg(long)]
+    pub ignore_eos: bool,
+
+    /// Print one JSON object (token ids, text, statistics) instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct SynthArgs {
+    /// Architecture: llama, mistral, qwen2, qwen3.
+    #[arg(long, default_value = "llama")]
+    pub arch: String,
+
+    /// Shapes: tiny (CI), small (40M, CPU demos), llama3-8b, qwen3-32b.
+    #[arg(long, default_value = "tiny")]
+    pub preset: String,
+
+    /// Output folder (created; files in it are overwritten).
+    #[arg(long)]
+    pub out: PathBuf,
+
+    /// Dtype of every tensor: f32, bf16, f16.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+
+    /// Seed of the random weights.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
 }
 
 #[derive(Subcommand, Debug)]

@@ -4,6 +4,7 @@
 
 mod bench;
 mod cli;
+mod decode;
 mod launch;
 mod sizes;
 
@@ -116,8 +117,10 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> i32 {
-    if let Command::Rank(args) = &cli.command {
-        return run_rank(args);
+    match &cli.command {
+        Command::Rank(args) => return run_rank(args),
+        Command::Synth(args) => return report(decode::synth_cmd(args)),
+        _ => {}
     }
     let settings = match Settings::from_cli(&cli) {
         Ok(s) => s,
@@ -131,8 +134,14 @@ fn run(cli: Cli) -> i32 {
         Command::Bench {
             what: BenchCommand::Allreduce(a),
         } => bench::run(&settings, a),
-        Command::Rank(_) => unreachable!("handled above"),
+        Command::Decode(a) => decode::run(&settings, a),
+        Command::Rank(_) | Command::Synth(_) => unreachable!("handled above"),
     };
+    report(result)
+}
+
+/// Prints a job's error (one line, plus a hint for usage errors) and returns the exit code.
+fn report(result: Result<i32, launch::JobError>) -> i32 {
     match result {
         Ok(code) => code,
         Err(e) => {

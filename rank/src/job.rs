@@ -72,6 +72,25 @@ pub struct JobSpec {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Task {
     Bench(BenchSpec),
+    Decode(DecodeSpec),
+}
+
+/// `decode`: the model, the prompt (already tokenized by the coordinator) and the sampling
+/// settings, identical on every rank so that every rank picks the same tokens.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DecodeSpec {
+    /// Absolute path of the Hugging Face folder (ranks read their slices from it).
+    pub model: String,
+    /// Matrix dtype on the device; `None` = as stored in the checkpoint.
+    pub dtype: Option<DType>,
+    pub prompt: Vec<u32>,
+    pub max_new_tokens: usize,
+    /// Generation stops at these ids (empty with --ignore-eos).
+    pub stop: Vec<u32>,
+    pub temperature: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+    pub seed: u64,
 }
 
 /// `bench allreduce`: the rows to run, in order, identical on every rank.
@@ -103,6 +122,19 @@ pub enum Report {
         resolved: Algo,
         times_us: Vec<f32>,
         wrong: u64,
+    },
+    /// Rank 0 loaded its shard (seconds).
+    Loaded { seconds: f64 },
+    /// Rank 0's decode statistics; the tokens themselves went through the control block's
+    /// token ring.
+    Decode {
+        prompt_tokens: usize,
+        generated: usize,
+        stopped: bool,
+        prefill_s: f64,
+        decode_s: f64,
+        /// Time of each decode step (sample → next logits), µs.
+        step_us: Vec<f32>,
     },
 }
 

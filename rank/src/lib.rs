@@ -9,6 +9,7 @@
 pub mod bench;
 pub mod collective;
 pub mod comm;
+pub mod decode;
 pub mod error;
 pub mod fault;
 pub mod job;

@@ -45,6 +45,25 @@ impl RankCtx {
         self.control.set_phase(self.rank, phase);
         crate::fault::at(self.rank, phase);
     }
+
+    /// Runs `f`, bumping this rank's heartbeat every 500 ms meanwhile: for long work with no
+    /// waits in it (loading weights), which the coordinator must not take for a stall.
+    pub fn beating<T>(&self, f: impl FnOnce() -> T) -> T {
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                // Ends as soon as `stop` is dropped (Disconnected), not at the next beat.
+                while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                    stopped.recv_timeout(Duration::from_millis(500))
+                {
+                    self.control.beat(self.rank);
+                }
+            });
+            let out = f();
+            drop(stop);
+            out
+        })
+    }
 }
 
 /// Joins the job at `opts.socket` and runs this rank's share of it to the end.
@@ -144,5 +163,6 @@ fn run_task<D: Device>(
             )?;
             crate::bench::run(ctx, conn, &mut comm, &*dev, b)
         }
+        Task::Decode(d) => crate::decode::run(ctx, conn, dev, spec.backend, d, timeout, spin),
     }
 }

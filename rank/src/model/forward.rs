@@ -61,7 +61,7 @@ impl Default for LoadOptions {
 
 /// Default KV-cache length cap when the caller gives none: bounds memory for models whose
 /// `max_position_embeddings` is 128k.
-const DEFAULT_MAX_SEQ: usize = 4096;
+pub const DEFAULT_MAX_SEQ: usize = 4096;
 
 /// Per-layer KV cache: [max_seq, nkv·d] each, in `Model::kv_dtype`, row `p` holding
 /// position `p`.

@@ -1,0 +1,325 @@
+//! `tprun decode` and `tprun synth`: everything on the coordinator's side of text generation.
+//! The coordinator validates the model folder and tokenizes the prompt before any rank starts
+//! (so bad input fails fast with one line), streams rank 0's tokens as text, and prints the
+//! summary. It never loads weights itself.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+use tprun_kernels::DType;
+use tprun_rank::job::{DecodeSpec, Report, Task};
+use tprun_rank::model::forward::DEFAULT_MAX_SEQ;
+use tprun_rank::model::{
+    synth, Arch, ModelConfig, Preset, ShardPlan, SynthOptions, TextStream, Tokenizer,
+};
+
+use crate::cli::{DecodeArgs, SynthArgs};
+use crate::launch::{JobError, Observer};
+use crate::Settings;
+
+const DEFAULT_PROMPT: &str = "Once upon a time";
+
+/// A folder removed on drop (the embedded default model).
+struct TempModel(PathBuf);
+
+impl Drop for TempModel {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn usage(m: impl Into<String>) -> JobError {
+    JobError::Usage(m.into())
+}
+
+fn bad(m: impl std::fmt::Display) -> JobError {
+    JobError::Setup(anyhow::anyhow!("{m}"))
+}
+
+fn parse_dtype(s: &str) -> Result<Option<DType>, JobError> {
+    if s == "auto" {
+        return Ok(None);
+    }
+    DType::parse(s)
+        .map(Some)
+        .ok_or_else(|| usage(format!("unknown dtype '{s}' (auto, f32, bf16, f16)")))
+}
+
+/// Writes the embedded default model: a tiny synthetic Llama in a private temporary folder.
+fn default_model() -> Result<TempModel, JobError> {
+    let dir = nix::unistd::mkdtemp(&std::env::temp_dir().join("tprun-model-XXXXXX"))
+        .map_err(|e| bad(format!("creating a folder for the default model: {e}")))?;
+    let guard = TempModel(dir);
+    let opts = SynthOptions {
+        arch: Arch::Llama,
+        preset: Preset::Tiny,
+        dtype: DType::F32,
+        seed: 0,
+        tie_embeddings: None,
+    };
+    synth(&guard.0, &opts, &mut |_, _| {})
+        .map_err(|e| bad(format!("writing the default model: {e}")))?;
+    Ok(guard)
+}
+
+struct Streamer {
+    tok: Tokenizer,
+    stream: TextStream,
+    ids: Vec<u32>,
+    text: String,
+    json: bool,
+    spinner: Option<ProgressBar>,
+    loaded_s: Option<f64>,
+    stats: Option<Report>,
+    error: Option<String>,
+}
+
+impl Observer for Streamer {
+    fn report(&mut self, _rank: usize, report: Report) {
+        match report {
+            Report::Loaded { seconds } => {
+                self.loaded_s = Some(seconds);
+                if let Some(s) = self.spinner.take() {
+                    s.finish_and_clear();
+                }
+            }
+            r @ Report::Decode { .. } => self.stats = Some(r),
+            Report::BenchRow { .. } => {}
+        }
+    }
+
+    fn tokens(&mut self, tokens: &[u32]) {
+        if let Some(s) = self.spinner.take() {
+            s.finish_and_clear();
+        }
+        for &id in tokens {
+            self.ids.push(id);
+            match self.stream.push(&self.tok, id) {
+                Ok(Some(piece)) => {
+                    self.text.push_str(&piece);
+                    if !self.json {
+                        let mut o = std::io::stdout().lock();
+                        let _ = o.write_all(piece.as_bytes());
+                        let _ = o.flush();
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => self.error = Some(e.to_string()),
+            }
+        }
+    }
+}
+
+fn percentile(sorted: &[f32], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize] as f64
+}
+
+pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
+    let dtype = parse_dtype(&args.dtype)?;
+    if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
+        return Err(usage("--temperature must be a finite number >= 0"));
+    }
+    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
+        return Err(usage("--top-p must be in (0, 1]"));
+    }
+    let _default;
+    let dir: PathBuf = match &args.model {
+        Some(d) => d.clone(),
+        None => {
+            _default = default_model()?;
+            _default.0.clone()
+        }
+    };
+    let dir = std::fs::canonicalize(&dir)
+        .map_err(|e| bad(format!("model folder {}: {e}", dir.display())))?;
+    let cfg = ModelConfig::from_dir(&dir).map_err(bad)?;
+    for r in 0..settings.world {
+        ShardPlan::new(&cfg, r, settings.world).map_err(bad)?;
+    }
+    let tok = Tokenizer::from_dir(&dir).map_err(bad)?;
+    let text = match (&args.prompt, &args.prompt_file) {
+        (Some(p), _) => p.clone(),
+        (None, Some(f)) => std::fs::read_to_string(f)
+            .map_err(|e| bad(format!("prompt file {}: {e}", f.display())))?,
+        (None, None) => DEFAULT_PROMPT.to_string(),
+    };
+    let prompt = tok.encode(&text).map_err(bad)?;
+    let context = cfg.max_positions.min(DEFAULT_MAX_SEQ);
+    if prompt.is_empty() {
+        return Err(bad("the prompt encodes to no tokens"));
+    }
+    if prompt.len() >= context {
+        return Err(bad(format!(
+            "the prompt is {} tokens; the context holds {context} (max_position_embeddings {} in \
+             {}, capped at {DEFAULT_MAX_SEQ})",
+            prompt.len(),
+            cfg.max_positions,
+            dir.join("config.json").display()
+        )));
+    }
+    if !args.json {
+        eprintln!(
+            "tprun decode: {} rank(s), backend {}; model {} ({}, {} layers, hidden {}, {} heads / {} kv heads)",
+            settings.world,
+            settings.backend.name(),
+            dir.display(),
+            cfg.arch.hf_name(),
+            cfg.layers,
+            cfg.hidden,
+            cfg.heads,
+            cfg.kv_heads
+        );
+    }
+    let spinner = (!args.json).then(|| {
+        let s = ProgressBar::new_spinner();
+        s.set_style(ProgressStyle::with_template("{spinner} {msg} {elapsed}").expect("template"));
+        s.set_message("loading weights");
+        s.enable_steady_tick(Duration::from_millis(100));
+        s
+    });
+    let spec = DecodeSpec {
+        model: dir.to_string_lossy().into_owned(),
+        dtype,
+        prompt: prompt.clone(),
+        max_new_tokens: args.max_new_tokens,
+        stop: if args.ignore_eos {
+            vec![]
+        } else {
+            cfg.eos.clone()
+        },
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+    };
+    let mut st = Streamer {
+        tok,
+        stream: TextStream::new(),
+        ids: Vec::new(),
+        text: String::new(),
+        json: args.json,
+        spinner,
+        loaded_s: None,
+        stats: None,
+        error: None,
+    };
+    if !args.json {
+        print!("{text}");
+        let _ = std::io::stdout().flush();
+    }
+    let result = crate::launch::run(settings.launch(Task::Decode(spec)), &mut st);
+    if let Some(s) = st.spinner.take() {
+        s.finish_and_clear();
+    }
+    if !args.json {
+        println!();
+    }
+    result?;
+    if let Some(e) = st.error {
+        return Err(bad(format!("detokenizing: {e}")));
+    }
+    let Some(Report::Decode {
+        prompt_tokens,
+        generated,
+        stopped,
+        prefill_s,
+        decode_s,
+        mut step_us,
+    }) = st.stats
+    else {
+        return Err(bad("rank 0 finished without reporting statistics"));
+    };
+    step_us.sort_by(f32::total_cmp);
+    let load_s = st.loaded_s.unwrap_or(f64::NAN);
+    let prefill_tps = prompt_tokens as f64 / prefill_s;
+    let decode_tps = generated.saturating_sub(1) as f64 / decode_s;
+    let (p50, p99) = (
+        percentile(&step_us, 0.5) / 1e3,
+        percentile(&step_us, 0.99) / 1e3,
+    );
+    if args.json {
+        let v = json!({
+            "world": settings.world,
+            "backend": settings.backend.name(),
+            "model": dir,
+            "prompt": text,
+            "prompt_ids": prompt,
+            "token_ids": st.ids,
+            "text": st.text,
+            "stopped_at_eos": stopped,
+            "load_s": load_s,
+            "prefill_tokens": prompt_tokens,
+            "prefill_s": prefill_s,
+            "prefill_tokens_per_s": prefill_tps,
+            "decode_tokens": generated,
+            "decode_s": decode_s,
+            "decode_tokens_per_s": decode_tps,
+            "token_latency_p50_ms": p50,
+            "token_latency_p99_ms": p99,
+        });
+        println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+    } else {
+        eprintln!(
+            "load {load_s:.2} s · prefill {prompt_tokens} tokens {:.1} ms ({prefill_tps:.0} tok/s) · \
+             decode {generated} tokens {:.2} s ({decode_tps:.1} tok/s) · per token p50 {p50:.2} ms, p99 {p99:.2} ms{}",
+            prefill_s * 1e3,
+            decode_s,
+            if stopped { " · stopped at end of sequence" } else { "" }
+        );
+    }
+    Ok(0)
+}
+
+pub fn synth_cmd(args: &SynthArgs) -> Result<i32, JobError> {
+    let arch = Arch::parse(&args.arch).ok_or_else(|| {
+        usage(format!(
+            "unknown --arch '{}' (llama, mistral, qwen2, qwen3)",
+            args.arch
+        ))
+    })?;
+    let preset = Preset::parse(&args.preset).ok_or_else(|| {
+        let names: Vec<_> = Preset::ALL.iter().map(|p| p.name()).collect();
+        usage(format!(
+            "unknown --preset '{}' ({})",
+            args.preset,
+            names.join(", ")
+        ))
+    })?;
+    let dtype =
+        parse_dtype(&args.dtype)?.ok_or_else(|| usage("--dtype must be f32, bf16 or f16"))?;
+    let opts = SynthOptions {
+        arch,
+        preset,
+        dtype,
+        seed: args.seed,
+        tie_embeddings: None,
+    };
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+            .expect("template"),
+    );
+    let cfg = synth(&args.out, &opts, &mut |done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    })
+    .map_err(bad)?;
+    bar.finish_and_clear();
+    eprintln!(
+        "wrote {} ({}, preset {}, {} layers, hidden {}, vocab {}, {})",
+        Path::new(&args.out).display(),
+        cfg.arch.hf_name(),
+        preset.name(),
+        cfg.layers,
+        cfg.hidden,
+        cfg.vocab,
+        dtype
+    );
+    Ok(0)
+}
