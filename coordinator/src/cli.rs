@@ -179,8 +179,8 @@ pub struct BenchAllreduceArgs {
     #[arg(long)]
     pub warmup: Option<u32>,
 
-    /// Give every rank known inputs and compare every element on every rank with the exact
-    /// reference sum; exit 1 if any differ.
+    /// After each row's timed calls, run 3 untimed calls with fresh known inputs and compare
+    /// every element on every rank with the exact reference sum; exit 1 if any differ.
     #[arg(long)]
     pub check: bool,
 

@@ -45,6 +45,9 @@ fn into_bytes<T: Elem>(v: Vec<T>) -> Vec<u8> {
         .to_vec()
 }
 
+/// Checked calls per row with `--check`, each with its own inputs.
+pub const CHECK_ITERS: u32 = 3;
+
 pub fn run<D: Device>(
     ctx: &RankCtx,
     conn: &Conn,
@@ -64,10 +67,13 @@ pub fn run<D: Device>(
     for (index, row) in spec.rows.iter().enumerate() {
         let bytes = row.count * row.dtype.size();
         let mut times = Vec::with_capacity(row.iters as usize);
-        let mut wrong = 0u64;
-        let mut out = vec![0u8; bytes];
+        // Timed calls: the same input each time (copied in, not recomputed), so that nothing but
+        // the allreduce runs between two calls. Host work between timed calls (recomputing
+        // inputs, checking outputs) made 4 ranks on 2 cores 3-4x slower at 64-256 KiB: the
+        // scheduler then interleaves ranks mid-call (docs/perf-notes.md).
+        let input = input_bytes(row.dtype, row.count, rank, 0);
         for it in 0..row.warmup + row.iters {
-            dev.write(&data, 0, &input_bytes(row.dtype, row.count, rank, it))?;
+            dev.write(&data, 0, &input)?;
             // Start every timed call together, so each rank's time is the call's latency and
             // not the time it waited for a late peer.
             comm.barrier()?;
@@ -88,7 +94,16 @@ pub fn run<D: Device>(
             if it >= row.warmup {
                 times.push(t.as_secs_f32() * 1e6);
             }
-            if spec.check {
+        }
+        // Checked calls, untimed: fresh inputs every call (a stale result cannot pass), every
+        // element compared with the exact reference.
+        let mut wrong = 0u64;
+        if spec.check {
+            let mut out = vec![0u8; bytes];
+            for it in 1..=CHECK_ITERS {
+                dev.write(&data, 0, &input_bytes(row.dtype, row.count, rank, it))?;
+                comm.barrier()?;
+                comm.allreduce_with(row.algo, View::new(&data, 0, row.count, row.dtype))?;
                 dev.read(&data, 0, &mut out)?;
                 let want = expected(row.dtype, row.count, world, it);
                 wrong += out
