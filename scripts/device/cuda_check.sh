@@ -54,10 +54,10 @@ step() {
 # First: one quick test to see compile (cold cache) cost, then the same warm.
 step compile-cold timeout 120 "$bin"/kernels-lib --exact cuda::selftest::tests::vmm_fd_import_in_process_sees_the_same_memory --nocapture
 step compile-warm timeout 60 "$bin"/kernels-lib --exact cuda::selftest::tests::vmm_fd_import_in_process_sees_the_same_memory --nocapture
-step unit timeout 300 "$bin"/kernels-lib --test-threads=1 --nocapture
+step unit timeout 200 "$bin"/kernels-lib --test-threads=1 --nocapture
 grep -E "^(selftest|FAIL)" "$OUT/unit.log" | head -30
 step ipc timeout 60 "$bin"/kernels-ipc --test-threads=1 --nocapture
-step timings timeout 240 "$bin"/kernels-lib --exact cuda::selftest::tests::allreduce_timings --ignored --nocapture
+step timings timeout 120 "$bin"/kernels-lib --exact cuda::selftest::tests::allreduce_timings --ignored --nocapture
 grep TIMING "$OUT/timings.log"
 grep -E "^test .*(ok|FAILED|ignored)$" "$OUT/unit.log" "$OUT/ipc.log" | sed 's/^.*\/\(.*\)\.log:/\1: /'
 echo "overall status $status"

@@ -486,15 +486,21 @@ pub fn selftest(ordinal: usize, mode: IpcMode, seed: u64) -> Result<Vec<Selftest
     let max_bytes = sizes.iter().max().unwrap() * 4;
     for world in 1..=4usize {
         let mut w = LocalWorld::new(ordinal, mode, world, max_bytes)?;
+        // A broken protocol fails every call after waiting out the timeout: give up on this
+        // world after a few failures rather than spend minutes proving it.
+        let mut failed = 0;
         for algo in [CommAlgo::Oneshot, CommAlgo::Twoshot] {
             for dtype in DType::ALL {
                 for (i, &n) in sizes.iter().enumerate() {
+                    if failed >= 3 {
+                        break;
+                    }
                     // Every third size with a payload shifted off 16-byte alignment.
                     let off = if i % 3 == 2 { dtype.size() } else { 0 };
                     let inputs: Vec<Vec<u8>> =
                         (0..world).map(|_| rng.bytes(dtype, n, -12..=6)).collect();
                     let want = cpu_sum(dtype, &inputs)?;
-                    let got = w.allreduce(algo, dtype, &inputs, off, Duration::from_secs(10))?;
+                    let got = w.allreduce(algo, dtype, &inputs, off, Duration::from_secs(5))?;
                     let detail = got
                         .iter()
                         .enumerate()
@@ -506,6 +512,7 @@ pub fn selftest(ordinal: usize, mode: IpcMode, seed: u64) -> Result<Vec<Selftest
                             d.map(|d| format!("rank {r}: {d}"))
                         })
                         .unwrap_or_default();
+                    failed += usize::from(!detail.is_empty());
                     let name = match algo {
                         CommAlgo::Oneshot => "oneshot",
                         CommAlgo::Twoshot => "twoshot",
