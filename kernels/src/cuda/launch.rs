@@ -167,19 +167,31 @@ impl Kernels {
             .unwrap_or_else(|| panic!("kernel {name} was loaded at construction"))
     }
 
-    /// Blocks of `AR_THREADS` threads of one allreduce kernel that fit on one SM.
+    /// Blocks of `AR_THREADS` threads that fit on one SM, for the allreduce kernel that fits
+    /// fewest (they differ in registers; a grid sized for one must fit for all).
     pub(crate) fn allreduce_blocks_per_sm(&self) -> Result<u32> {
-        let f = self.get("allreduce_twoshot_f32");
-        // SAFETY: `f` belongs to a loaded module.
-        let n = unsafe {
-            dr::occupancy::max_active_block_per_multiprocessor(
-                f.cu_function(),
-                AR_THREADS as i32,
-                0,
-            )
-        }
-        .map_err(driver_err("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
-        Ok(n.max(1) as u32)
+        let all = self.allreduce_occupancy()?;
+        Ok(all.iter().map(|(_, n)| *n).min().unwrap_or(1))
+    }
+
+    /// (kernel, blocks of AR_THREADS that fit on one SM) for every allreduce kernel.
+    pub(crate) fn allreduce_occupancy(&self) -> Result<Vec<(String, u32)>> {
+        kernel_names("comm")
+            .into_iter()
+            .map(|name| {
+                let f = self.get(&name);
+                // SAFETY: `f` belongs to a loaded module.
+                let n = unsafe {
+                    dr::occupancy::max_active_block_per_multiprocessor(
+                        f.cu_function(),
+                        AR_THREADS as i32,
+                        0,
+                    )
+                }
+                .map_err(driver_err("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
+                Ok((name, n.max(1) as u32))
+            })
+            .collect()
     }
 }
 

@@ -118,9 +118,11 @@ impl CudaDevice {
         let err = HostWords::new(&ctx, launch::ERR_WORDS)?;
         // Default grid cap: all blocks of up to 4 ranks sharing this device must be resident
         // at once (their flag waits spin on each other; a block that cannot be scheduled
-        // would leave its peers waiting until the timeout), so a quarter of what fits.
+        // would leave its peers waiting until the timeout), so a fifth of what fits: four
+        // ranks plus room for other work. A quarter, filling the GPU exactly, timed out on the
+        // first H200 run (2026-12-02).
         let fit = kernels.allreduce_blocks_per_sm()? * sms;
-        let comm_blocks = (fit / 4).clamp(1, launch::MAX_BLOCKS as u32);
+        let comm_blocks = (fit / 5).clamp(1, launch::MAX_BLOCKS as u32);
         tracing::debug!(
             "cuda device {ordinal}: {} {}, {sms} SMs, ipc {mode:?}, {comm_blocks} comm blocks",
             info.name,
@@ -183,18 +185,29 @@ impl CudaDevice {
 
     /// Sets the most blocks one allreduce launch uses (1..=128). Every rank of a job must use
     /// the same value (ranks compute the grid alike, and block b waits for the peers' block
-    /// b). The default suits up to 4 ranks per device; with one rank per device it can be
-    /// raised up to [`CudaDevice::comm_block_capacity`], with more ranks per device it must
-    /// be lowered to capacity / ranks.
+    /// b). The default (a fifth of [`CudaDevice::comm_block_capacity`]) suits up to 4 ranks
+    /// per device; with one rank per device it can be raised towards the capacity, with more
+    /// ranks per device it must be lowered below capacity / ranks.
     pub fn set_comm_blocks(&self, n: u32) {
         // Relaxed: a plain setting read at the next launch by the thread that queues it.
         self.comm_blocks
             .store(n.clamp(1, launch::MAX_BLOCKS as u32), Ordering::Relaxed);
     }
 
+    /// (kernel, blocks per SM) of every allreduce kernel, for `tprun info` and tuning notes.
+    pub fn allreduce_occupancy(&self) -> Result<Vec<(String, u32)>> {
+        self.kernels.allreduce_occupancy()
+    }
+
     /// Allreduce blocks that fit on the device at once.
     pub fn comm_block_capacity(&self) -> Result<u32> {
         Ok(self.kernels.allreduce_blocks_per_sm()? * self.sms)
+    }
+
+    /// This device's stream (graph-capture tests; nothing above this crate sees raw handles).
+    #[cfg(test)]
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
     }
 
     fn bind(&self) -> Result<()> {

@@ -47,6 +47,13 @@
 // 512: a block then covers 8 KiB of f32 packs per pass; few blocks keep the flag traffic of
 // small (decode-sized) messages low while large messages still get 128 * 512 threads.
 #define TP_AR_THREADS 512
+// Blocks of every allreduce kernel that must fit on one SM at once (registers capped to
+// 65536 / (2 * 512) = 64 per thread on sm_90). Ranks sharing a GPU need all their blocks
+// resident together (their flag waits spin on each other), and the grid cap the host picks
+// (CudaDevice::comm_blocks) is derived from the measured occupancy of the least-occupying
+// allreduce kernel. First device run (H200, 2026-12-02): four ranks on one GPU, with the cap
+// sized from one kernel's occupancy to fill the GPU exactly, timed out in their flag waits.
+#define TP_AR_MIN_BLOCKS 2
 
 // Host-mapped error words (u32 each; the host zeroes them after reading).
 #define TP_ERR_CODE 0        // 0 ok, TP_ERR_TIMEOUT or TP_ERR_EPOCH
@@ -237,7 +244,7 @@ TP_DEV void twoshot(const ArParams& a) {
 }
 
 #define TP_ALLREDUCE(algo, dn, D)                                                      \
-    extern "C" __global__ void __launch_bounds__(TP_AR_THREADS)                        \
+    extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_AR_THREADS, TP_AR_MIN_BLOCKS)          \
         allreduce_##algo##_##dn(ArParams a) {                                          \
         if (a.vec) {                                                                   \
             algo<D, true>(a);                                                          \

@@ -28,6 +28,15 @@ typedef long long i64;
 
 #define TP_DEV __device__ __forceinline__
 
+// Kernel launch bounds: at most `threads` per block and, on CUDA, registers capped so that at
+// least `min_blocks` blocks fit on one SM. HIP's second argument means something else (minimum
+// waves per execution unit), so only the thread bound is passed there.
+#if defined(TP_HIP)
+#define TP_LAUNCH_BOUNDS(threads, min_blocks) __launch_bounds__(threads)
+#else
+#define TP_LAUNCH_BOUNDS(threads, min_blocks) __launch_bounds__(threads, min_blocks)
+#endif
+
 // ---- wavefront --------------------------------------------------------------------------
 // 32 lanes on every NVIDIA GPU; 64 on gfx9 (gfx906, gfx90a, gfx942), 32 on RDNA in wave32
 // mode. clang defines __AMDGCN_WAVEFRONT_SIZE per target, so never hard-code 32.

@@ -36,13 +36,13 @@ TP_DEV void reduce_sum(const ReduceParams& p) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(TP_THREADS) reduce_sum_f32(ReduceParams p) {
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_THREADS, 1) reduce_sum_f32(ReduceParams p) {
     reduce_sum<F32>(p);
 }
-extern "C" __global__ void __launch_bounds__(TP_THREADS) reduce_sum_f16(ReduceParams p) {
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_THREADS, 1) reduce_sum_f16(ReduceParams p) {
     reduce_sum<F16>(p);
 }
-extern "C" __global__ void __launch_bounds__(TP_THREADS) reduce_sum_bf16(ReduceParams p) {
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_THREADS, 1) reduce_sum_bf16(ReduceParams p) {
     reduce_sum<BF16>(p);
 }
 
@@ -64,7 +64,7 @@ TP_DEV void convert(const CopyParams& p) {
 }
 
 #define TP_COPY(sn, S, dn, D)                                                          \
-    extern "C" __global__ void __launch_bounds__(TP_THREADS) copy_##sn##_##dn(CopyParams p) { \
+    extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_THREADS, 1) copy_##sn##_##dn(CopyParams p) { \
         convert<S, D>(p);                                                              \
     }
 TP_COPY(f32, F32, f16, F16)
