@@ -39,6 +39,9 @@
 
 #define TP_SIGNAL_BYTES (256ull * 1024ull)
 #define TP_MAX_WORLD 64
+// Most blocks one allreduce launch uses: flags for 2 phases x 128 blocks x 64 senders fill
+// 64 KiB of the 256 KiB signal area, and 128 is about one block per SM on an H100/H200
+// (132 SMs), past which more blocks only add flag traffic.
 #define TP_MAX_BLOCKS 128
 #define TP_SIG_EPOCH 8192u
 #define TP_SIG_DONE (8192u + 64u)
