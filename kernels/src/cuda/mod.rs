@@ -180,6 +180,7 @@ impl CudaDevice {
 
     /// Most blocks one allreduce launch uses.
     pub fn comm_blocks(&self) -> u32 {
+        // Relaxed: a plain setting that publishes nothing else; pairs with set_comm_blocks.
         self.comm_blocks.load(Ordering::Relaxed)
     }
 
@@ -258,6 +259,8 @@ impl CudaDevice {
             self.err.set(i, 0);
         }
         Err(match code {
+            // Relaxed load of last_timeout_ns: written by `run` on a thread that queued work we
+            // have just synchronised with; it only labels the message.
             launch::ERR_TIMEOUT => KernelError::Timeout {
                 what: "allreduce (device flag wait)",
                 waited: Duration::from_nanos(self.last_timeout_ns.load(Ordering::Relaxed)),
