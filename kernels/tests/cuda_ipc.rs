@@ -3,13 +3,22 @@
 //! parent checks. Legacy IPC handles can only be opened by another process, so this is where
 //! the legacy import is tested; the VMM fd path is tested the same way with an inherited fd.
 //!
-//! The full multi-process allreduce (rendezvous, fd passing over the socket, MPS) is the
-//! coordinator's integration test.
+//! `legacy_allreduce_across_processes` runs oneshot and twoshot between two processes on
+//! one GPU through legacy IPC handles (exchanged over the child's stdin/stdout), checking both
+//! ranks against the CPU twin. Without the MPS daemon the two contexts time-slice, so each
+//! flag handshake costs milliseconds: it checks correctness, not speed. The full multi-process
+//! allreduce (rendezvous, fd passing over the socket, MPS) is the coordinator's integration
+//! test.
 
+use std::io::{BufRead, BufReader, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
-use tprun_kernels::cuda::{self, CudaDevice, IpcMode};
+use tprun_kernels::cpu::CpuDevice;
+use tprun_kernels::cuda::{self, CudaBuf, CudaDevice, IpcMode};
+use tprun_kernels::dtype::encode;
+use tprun_kernels::{AllreduceArgs, CommAlgo, CommLayout, DType, Op, View};
 use tprun_kernels::{Device, Export, ExportMeta};
 
 const BYTES: usize = 1 << 20;
@@ -86,12 +95,17 @@ fn round_trip(mode: IpcMode) {
     );
 }
 
-/// The child's half (does nothing unless started by `round_trip`).
+/// The child's half (does nothing unless started by `round_trip` or the allreduce test).
 #[test]
 fn child() {
     let Ok(spec) = std::env::var(CHILD_ENV) else {
         return;
     };
+    if let Some(handle) = spec.strip_prefix("ar:") {
+        allreduce_rank(1, Some(handle));
+        println!("CHILD OK");
+        return;
+    }
     let mut it = spec.splitn(3, ':');
     let (kind, bytes, rest) = (it.next().unwrap(), it.next().unwrap(), it.next().unwrap());
     let bytes: usize = bytes.parse().unwrap();
@@ -143,4 +157,164 @@ fn vmm_fd_imports_in_another_process() {
         return;
     }
     round_trip(IpcMode::Fd);
+}
+
+/// The calls both processes make, in order: (algo, dtype, elements).
+fn schedule() -> Vec<(CommAlgo, DType, usize)> {
+    let mut v = Vec::new();
+    for algo in [CommAlgo::Oneshot, CommAlgo::Twoshot] {
+        for dtype in DType::ALL {
+            for n in [1usize, 17, 4099] {
+                v.push((algo, dtype, n));
+            }
+        }
+    }
+    v
+}
+
+/// Deterministic inputs both processes can compute: call `i`, rank `r`.
+fn input(i: usize, r: usize, dtype: DType, n: usize) -> Vec<u8> {
+    let mut x = (i as u64 * 2654435761 + r as u64 * 97 + 1) | 1;
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x % 20001) as f32 - 10000.0) / 256.0
+        })
+        .collect();
+    encode(dtype, &v)
+}
+
+/// The CPU twin's rank-order sum of call `i`.
+fn expected(i: usize, dtype: DType, n: usize) -> Vec<u8> {
+    let cpu = CpuDevice::new(0, 1, 0);
+    let bufs: Vec<_> = (0..2)
+        .map(|r| {
+            let b = cpu.alloc(n * dtype.size()).unwrap();
+            cpu.write(&b, 0, &input(i, r, dtype, n)).unwrap();
+            b
+        })
+        .collect();
+    let out = cpu.alloc(n * dtype.size()).unwrap();
+    let views: Vec<_> = bufs.iter().map(|b| View::new(b, 0, n, dtype)).collect();
+    cpu.run(&Op::ReduceSum {
+        inputs: &views,
+        out: View::new(&out, 0, n, dtype),
+    })
+    .unwrap();
+    let mut r = vec![0u8; n * dtype.size()];
+    cpu.read(&out, 0, &mut r).unwrap();
+    r
+}
+
+/// One rank of the two-process allreduce. Rank 0 (the parent) spawns rank 1 and exchanges
+/// handles over its pipes; rank 1 gets rank 0's handle in the environment and prints its own.
+fn allreduce_rank(rank: usize, peer_handle: Option<&str>) {
+    let layout = CommLayout::new(4099 * 4);
+    let dev = CudaDevice::new(0, IpcMode::Legacy).unwrap();
+    let (own, export) = dev.alloc_shared(layout.total_bytes()).unwrap();
+    let ExportMeta::CudaLegacy { handle, .. } = &export.meta else {
+        panic!("legacy mode exports a legacy handle")
+    };
+    let open = |h: &str| -> CudaBuf {
+        dev.import(Export {
+            meta: ExportMeta::CudaLegacy {
+                bytes: layout.total_bytes(),
+                handle: unhex(h),
+            },
+            fd: None,
+        })
+        .unwrap()
+    };
+    let mut child = None;
+    let peer = match peer_handle {
+        Some(h) => {
+            println!("HANDLE {}", hex(handle));
+            std::io::stdout().flush().unwrap();
+            open(h)
+        }
+        None => {
+            let mut c = Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "child", "--nocapture"])
+                .env(CHILD_ENV, format!("ar:{}", hex(handle)))
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let mut lines = BufReader::new(c.stdout.take().unwrap()).lines();
+            let h = loop {
+                let l = lines
+                    .next()
+                    .expect("child exited before its handle")
+                    .unwrap();
+                if let Some(h) = l.strip_prefix("HANDLE ") {
+                    break h.to_string();
+                }
+            };
+            // Keep draining the child's output so it never blocks on a full pipe.
+            let drain = std::thread::spawn(move || lines.map_while(|l| l.ok()).collect::<Vec<_>>());
+            child = Some((c, drain));
+            open(&h)
+        }
+    };
+    let comm: Vec<&CudaBuf> = if rank == 0 {
+        vec![&own, &peer]
+    } else {
+        vec![&peer, &own]
+    };
+    let t0 = Instant::now();
+    let calls = schedule();
+    for (i, &(algo, dtype, n)) in calls.iter().enumerate() {
+        let data = dev.alloc(n * dtype.size()).unwrap();
+        dev.write(&data, 0, &input(i, rank, dtype, n)).unwrap();
+        dev.run(&Op::Allreduce(AllreduceArgs {
+            algo,
+            rank,
+            world: 2,
+            epoch: i as u32 + 1,
+            data: View::new(&data, 0, n, dtype),
+            comm: &comm,
+            layout,
+            timeout: Duration::from_secs(20),
+            abort: None,
+        }))
+        .unwrap();
+        let mut got = vec![0u8; n * dtype.size()];
+        dev.read(&data, 0, &mut got).unwrap();
+        assert!(
+            got == expected(i, dtype, n),
+            "rank {rank}: call {i} ({algo:?} {dtype} n={n}) differs from the CPU twin"
+        );
+    }
+    println!(
+        "rank {rank}: {} cross-process calls, {:.2} ms each (no MPS: contexts time-slice)",
+        calls.len(),
+        t0.elapsed().as_secs_f64() * 1e3 / calls.len() as f64
+    );
+    // Neither rank may free (or exit with) its buffer while the other may still read it in
+    // its last call: the child waits for the parent's "done", and the parent frees its own
+    // buffer only after the child has exited.
+    if rank == 1 {
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line).unwrap();
+    }
+    if let Some((mut c, drain)) = child {
+        writeln!(c.stdin.take().unwrap(), "done").unwrap();
+        let status = c.wait().unwrap();
+        let out = drain.join().unwrap().join("\n");
+        assert!(
+            status.success() && out.contains("CHILD OK"),
+            "child failed:\n{out}"
+        );
+        println!("{out}");
+    }
+}
+
+#[test]
+fn legacy_allreduce_across_processes() {
+    if std::env::var(CHILD_ENV).is_ok() || !gpu_or_skip() {
+        return;
+    }
+    allreduce_rank(0, None);
 }
