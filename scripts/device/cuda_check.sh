@@ -57,6 +57,7 @@ step compile-warm timeout 60 "$bin"/kernels-lib --exact cuda::selftest::tests::v
 step unit timeout 200 "$bin"/kernels-lib --test-threads=1 --nocapture
 grep -E "^(selftest|FAIL)" "$OUT/unit.log" | head -30
 step ipc timeout 60 "$bin"/kernels-ipc --test-threads=1 --nocapture
+grep -h "cross-process calls" "$OUT/ipc.log"
 step timings timeout 120 "$bin"/kernels-lib --exact cuda::selftest::tests::allreduce_timings --ignored --nocapture
 grep TIMING "$OUT/timings.log"
 grep -E "^test .*(ok|FAILED|ignored)$" "$OUT/unit.log" "$OUT/ipc.log" | sed 's/^.*\/\(.*\)\.log:/\1: /'
