@@ -346,6 +346,9 @@ impl Launcher<'_> {
                 a.layout.data_bytes
             )));
         }
+        // `a.abort` is not looked at: it is host memory (the control block) that a kernel
+        // cannot read without registering it; device waits are bounded by `a.timeout`
+        // instead, and the caller checks the abort word after `sync`.
         if a.epoch == 0 {
             return Err(KernelError::Invalid("allreduce epochs start at 1".into()));
         }
