@@ -200,6 +200,25 @@ pub enum Op<'a, B> {
     },
 }
 
+impl<B> Op<'_, B> {
+    /// The op's name, for errors ("the cuda backend has no kernel for rms_norm yet").
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Copy { .. } => "copy",
+            Op::ReduceSum { .. } => "reduce_sum",
+            Op::Allreduce(_) => "allreduce",
+            Op::Fill { .. } => "fill",
+            Op::Embedding { .. } => "embedding",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::Rope { .. } => "rope",
+            Op::Attention { .. } => "attention",
+            Op::SiluMul { .. } => "silu_mul",
+            Op::Add { .. } => "add",
+            Op::Matmul { .. } => "matmul",
+        }
+    }
+}
+
 /// A compute device as seen by one rank.
 pub trait Device: Send + Sync + 'static {
     /// Device memory owned by (or mapped into) this process. Dropping it frees or unmaps it.

@@ -1,0 +1,456 @@
+//! Loading the compiled modules and launching the ops: the Rust mirrors of the kernels'
+//! parameter structs and of the GPU signal-area layout, argument checks, grid sizes.
+//!
+//! Owns: every `cuLaunchKernel` of the backend.
+//! Must not: allocate (a launch needs no scratch memory, so every op can be captured in a
+//! graph) or synchronise.
+//!
+//! GPU signal-area layout (the authoritative comment, with the reasons, is at the top of
+//! `kernels/src/gpu/comm.cu`; the constants below are checked against that file's `#define`s
+//! by a test, and against `comm.rs` at compile time):
+//!
+//! ```text
+//! 0 .. 8192                 CPU backend's (phase, sender) flag lines (unused on GPUs)
+//! 8192                      u32 epoch counter: the last epoch this rank completed
+//! 8192 + 64                 u32 done: finished blocks of the running launch
+//! 8192 + 128 + ((phase * MAX_BLOCKS + block) * MAX_WORLD + sender) * 4
+//!                           u32 flag raised by `sender`'s block `block` for `phase`
+//! .. 8192 + 128 + 64 KiB    (end of the flags; the rest of the 256 KiB is free)
+//! ```
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::{result as dr, CudaContext, CudaFunction, CudaModule, CudaStream};
+use cudarc::nvrtc::Ptx;
+
+use super::mem::CudaBuf;
+use super::{driver_err, program, result};
+use crate::comm::{AllreduceArgs, CommAlgo, FLAG_STRIDE, MAX_WORLD, PHASES, SIGNAL_BYTES};
+use crate::{DType, KernelError, Result, View};
+
+/// Where the GPU part of the signal area starts: after the CPU backend's flags.
+pub const SIG_BASE: usize = PHASES * MAX_WORLD * FLAG_STRIDE;
+/// The device-resident epoch counter.
+pub const SIG_EPOCH: usize = SIG_BASE;
+/// Finished-block counter of the running launch (own 64-byte line).
+pub const SIG_DONE: usize = SIG_BASE + 64;
+/// First per-block flag.
+pub const SIG_FLAGS: usize = SIG_BASE + 128;
+/// Most blocks one allreduce launch may use (flags exist for this many).
+pub const MAX_BLOCKS: usize = 128;
+/// Threads per allreduce block (comm.cu TP_AR_THREADS; at least MAX_WORLD, since threads
+/// 0..world signal and poll).
+pub const AR_THREADS: u32 = 512;
+/// Threads per block of copy / reduce_sum (reduce.cu TP_THREADS).
+pub const THREADS: u32 = 256;
+/// Most inputs of one ReduceSum launch (reduce.cu TP_MAX_INPUTS).
+pub const MAX_INPUTS: usize = 64;
+
+const _: () = assert!(SIG_BASE == 8192, "comm.cu hard-codes 8192");
+const _: () = assert!(SIG_FLAGS + PHASES * MAX_BLOCKS * MAX_WORLD * 4 <= SIGNAL_BYTES);
+const _: () = assert!(AR_THREADS as usize >= MAX_WORLD);
+
+/// Host-mapped error words (comm.cu TP_ERR_*).
+pub const ERR_CODE: usize = 0;
+pub const ERR_DEV_EPOCH: usize = 1;
+pub const ERR_HOST_EPOCH: usize = 2;
+pub const ERR_PEERS: usize = 4;
+pub const ERR_WORDS: usize = ERR_PEERS + MAX_WORLD;
+pub const ERR_TIMEOUT: u32 = 1;
+pub const ERR_EPOCH: u32 = 2;
+
+/// comm.cu `struct ArParams`, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct ArParams {
+    comm: [u64; MAX_WORLD],
+    data: u64,
+    n: u64,
+    data_bytes: u64,
+    timeout_ns: u64,
+    err: u64,
+    rank: u32,
+    world: u32,
+    host_epoch: u32,
+    vec: u32,
+}
+const _: () = assert!(std::mem::size_of::<ArParams>() == 568);
+
+/// reduce.cu `struct ReduceParams`, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct ReduceParams {
+    inputs: [u64; MAX_INPUTS],
+    out: u64,
+    n: u64,
+    nin: u32,
+    vec: u32,
+}
+const _: () = assert!(std::mem::size_of::<ReduceParams>() == 536);
+
+/// reduce.cu `struct CopyParams`, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CopyParams {
+    src: u64,
+    dst: u64,
+    n: u64,
+}
+
+/// The loaded modules and their kernels, by name.
+pub(crate) struct Kernels {
+    funcs: HashMap<String, CudaFunction>,
+    _modules: Vec<Arc<CudaModule>>,
+}
+
+fn kernel_names(module: &str) -> Vec<String> {
+    let mut v = Vec::new();
+    match module {
+        "reduce" => {
+            for d in DType::ALL {
+                v.push(format!("reduce_sum_{d}"));
+                for s in DType::ALL.into_iter().filter(|&s| s != d) {
+                    v.push(format!("copy_{s}_{d}"));
+                }
+            }
+        }
+        "comm" => {
+            for d in DType::ALL {
+                v.push(format!("allreduce_oneshot_{d}"));
+                v.push(format!("allreduce_twoshot_{d}"));
+            }
+        }
+        _ => unreachable!("unknown module {module}"),
+    }
+    v
+}
+
+impl Kernels {
+    /// Compiles (or takes from the cache) and loads every module for `arch`.
+    pub(crate) fn load(ctx: &Arc<CudaContext>, arch: (i32, i32)) -> Result<Kernels> {
+        let mut funcs = HashMap::new();
+        let mut modules = Vec::new();
+        for (name, src) in program::SOURCES {
+            let bin = program::cubin(name, src, arch)?;
+            let module = match ctx.load_module(Ptx::from_binary(bin)) {
+                Ok(m) => m,
+                // A stale or damaged cache file: compile afresh once.
+                Err(_) => {
+                    let bin = program::compile(
+                        name,
+                        &program::expand(src),
+                        &format!("sm_{}{}", arch.0, arch.1),
+                    )?;
+                    ctx.load_module(Ptx::from_binary(bin))
+                        .map_err(driver_err(format!("loading module {name}")))?
+                }
+            };
+            for k in kernel_names(name) {
+                let f = module
+                    .load_function(&k)
+                    .map_err(driver_err(format!("kernel {k}")))?;
+                funcs.insert(k, f);
+            }
+            modules.push(module);
+        }
+        Ok(Kernels {
+            funcs,
+            _modules: modules,
+        })
+    }
+
+    fn get(&self, name: &str) -> &CudaFunction {
+        self.funcs
+            .get(name)
+            .unwrap_or_else(|| panic!("kernel {name} was loaded at construction"))
+    }
+
+    /// Blocks of `AR_THREADS` threads that fit on one SM, for the allreduce kernel that fits
+    /// fewest (they differ in registers; a grid sized for one must fit for all).
+    pub(crate) fn allreduce_blocks_per_sm(&self) -> Result<u32> {
+        let all = self.allreduce_occupancy()?;
+        Ok(all.iter().map(|(_, n)| *n).min().unwrap_or(1))
+    }
+
+    /// (kernel, blocks of AR_THREADS that fit on one SM) for every allreduce kernel.
+    pub(crate) fn allreduce_occupancy(&self) -> Result<Vec<(String, u32)>> {
+        kernel_names("comm")
+            .into_iter()
+            .map(|name| {
+                let f = self.get(&name);
+                // SAFETY: `f` belongs to a loaded module.
+                let n = unsafe {
+                    dr::occupancy::max_active_block_per_multiprocessor(
+                        f.cu_function(),
+                        AR_THREADS as i32,
+                        0,
+                    )
+                }
+                .map_err(driver_err("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
+                Ok((name, n.max(1) as u32))
+            })
+            .collect()
+    }
+}
+
+/// What a launch needs from the device.
+pub(crate) struct Launcher<'a> {
+    pub ctx: &'a Arc<CudaContext>,
+    pub stream: &'a Arc<CudaStream>,
+    pub kernels: &'a Kernels,
+    pub sms: u32,
+    pub comm_blocks: u32,
+    pub err_words: u64,
+}
+
+impl Launcher<'_> {
+    /// # Safety
+    /// `params` is the exact parameter struct of kernel `name`, and every device address in it
+    /// stays valid until the stream passes this launch.
+    unsafe fn launch<P>(&self, name: &str, grid: u32, block: u32, params: &mut P) -> Result<()> {
+        let f = self.kernels.get(name);
+        let mut args = [(params as *mut P).cast::<c_void>()];
+        // SAFETY: per the contract; cuLaunchKernel copies the parameter values before it
+        // returns, so `params` may die afterwards.
+        unsafe {
+            dr::launch_kernel(
+                f.cu_function(),
+                (grid.max(1), 1, 1),
+                (block, 1, 1),
+                0,
+                self.stream.cu_stream(),
+                &mut args,
+            )
+        }
+        .map_err(driver_err(format!("launching {name}")))
+    }
+
+    fn grid_for(&self, items: usize, threads: u32) -> u32 {
+        // Enough blocks to give every thread one item, at most 8 per SM (grid-stride loops
+        // cover the rest): a launch-size heuristic, not tuned.
+        let cap = (self.sms as usize * 8).max(1);
+        items.div_ceil(threads as usize).clamp(1, cap) as u32
+    }
+
+    pub(crate) fn copy(&self, src: &View<'_, CudaBuf>, dst: &View<'_, CudaBuf>) -> Result<()> {
+        if src.len != dst.len {
+            return Err(KernelError::Invalid(format!(
+                "copy of {} elements into {}",
+                src.len, dst.len
+            )));
+        }
+        let s = src.buf.addr(src.offset, src.bytes())?;
+        let d = dst.buf.addr(dst.offset, dst.bytes())?;
+        if src.len == 0 {
+            return Ok(());
+        }
+        if src.dtype == dst.dtype {
+            // SAFETY: both ranges bounds-checked; the buffers outlive the queued copy (callers
+            // sync before dropping buffers).
+            return unsafe { dr::memcpy_dtod_async(d, s, src.bytes(), self.stream.cu_stream()) }
+                .map_err(driver_err("cuMemcpyDtoDAsync"));
+        }
+        if !s.is_multiple_of(src.dtype.size() as u64) || !d.is_multiple_of(dst.dtype.size() as u64)
+        {
+            return Err(KernelError::Invalid("copy: misaligned view".into()));
+        }
+        let mut p = CopyParams {
+            src: s,
+            dst: d,
+            n: src.len as u64,
+        };
+        let name = format!("copy_{}_{}", src.dtype, dst.dtype);
+        // SAFETY: CopyParams is copy_*'s parameter; addresses checked above.
+        unsafe { self.launch(&name, self.grid_for(src.len, THREADS), THREADS, &mut p) }
+    }
+
+    pub(crate) fn reduce_sum(
+        &self,
+        inputs: &[View<'_, CudaBuf>],
+        out: &View<'_, CudaBuf>,
+    ) -> Result<()> {
+        if inputs.is_empty() || inputs.len() > MAX_INPUTS {
+            return Err(KernelError::Invalid(format!(
+                "reduce_sum of {} inputs (1..={MAX_INPUTS} on cuda)",
+                inputs.len()
+            )));
+        }
+        let mut p = ReduceParams {
+            inputs: [0; MAX_INPUTS],
+            out: out.buf.addr(out.offset, out.bytes())?,
+            n: out.len as u64,
+            nin: inputs.len() as u32,
+            vec: 0,
+        };
+        for (i, v) in inputs.iter().enumerate() {
+            if v.len != out.len || v.dtype != out.dtype {
+                return Err(KernelError::Invalid(format!(
+                    "reduce_sum input of {} {} into {} {}",
+                    v.len, v.dtype, out.len, out.dtype
+                )));
+            }
+            p.inputs[i] = v.buf.addr(v.offset, v.bytes())?;
+        }
+        let all = p.inputs[..inputs.len()].iter().chain([&p.out]);
+        if all
+            .clone()
+            .any(|a| !a.is_multiple_of(out.dtype.size() as u64))
+        {
+            return Err(KernelError::Invalid("reduce_sum: misaligned view".into()));
+        }
+        p.vec = u32::from(all.into_iter().all(|a| a.is_multiple_of(16)));
+        if out.len == 0 {
+            return Ok(());
+        }
+        let packs = out.len.div_ceil(16 / out.dtype.size());
+        let name = format!("reduce_sum_{}", out.dtype);
+        // SAFETY: ReduceParams is reduce_sum_*'s parameter; addresses checked above.
+        unsafe { self.launch(&name, self.grid_for(packs, THREADS), THREADS, &mut p) }
+    }
+
+    /// Blocks of one allreduce launch: one per AR_THREADS packs of a block's share, at most
+    /// `comm_blocks`. Depends only on (n, dtype, world, algo, comm_blocks), so every rank of a
+    /// job computes the same grid, which the per-block flags require.
+    pub(crate) fn allreduce_grid(
+        comm_blocks: u32,
+        n: usize,
+        dtype: DType,
+        world: usize,
+        algo: CommAlgo,
+    ) -> u32 {
+        let packs = n.div_ceil(16 / dtype.size());
+        let share = match algo {
+            CommAlgo::Oneshot => packs,
+            CommAlgo::Twoshot => packs.div_ceil(world.max(1)),
+        };
+        share
+            .div_ceil(AR_THREADS as usize)
+            .clamp(1, comm_blocks.clamp(1, MAX_BLOCKS as u32) as usize) as u32
+    }
+
+    pub(crate) fn allreduce(&self, a: &AllreduceArgs<'_, CudaBuf>) -> Result<()> {
+        if a.world == 0 || a.world > MAX_WORLD || a.rank >= a.world || a.comm.len() != a.world {
+            return Err(KernelError::Invalid(format!(
+                "allreduce: rank {} of world {} with {} comm buffers",
+                a.rank,
+                a.world,
+                a.comm.len()
+            )));
+        }
+        let bytes = a.data.bytes();
+        if bytes > a.layout.data_bytes {
+            return Err(KernelError::Invalid(format!(
+                "allreduce of {bytes} bytes exceeds the {}-byte communication buffer",
+                a.layout.data_bytes
+            )));
+        }
+        // `a.abort` is not looked at: it is host memory (the control block) that a kernel
+        // cannot read without registering it; device waits are bounded by `a.timeout`
+        // instead, and the caller checks the abort word after `sync`.
+        if a.epoch == 0 {
+            return Err(KernelError::Invalid("allreduce epochs start at 1".into()));
+        }
+        let mut p = ArParams {
+            comm: [0; MAX_WORLD],
+            data: a.data.buf.addr(a.data.offset, bytes)?,
+            n: a.data.len as u64,
+            data_bytes: a.layout.data_bytes as u64,
+            timeout_ns: u64::try_from(a.timeout.as_nanos()).unwrap_or(u64::MAX),
+            err: self.err_words,
+            rank: a.rank as u32,
+            world: a.world as u32,
+            host_epoch: a.epoch,
+            vec: 0,
+        };
+        for (i, b) in a.comm.iter().enumerate() {
+            p.comm[i] = b.addr(0, a.layout.total_bytes())?;
+        }
+        if !p.data.is_multiple_of(a.data.dtype.size() as u64) {
+            return Err(KernelError::Invalid(
+                "allreduce: misaligned data view".into(),
+            ));
+        }
+        // Comm buffers are VMM- or cuMemAlloc-aligned (>= 256 bytes) and slots start at 4 KiB
+        // multiples (CommLayout), so only the data view can break 16-byte alignment.
+        let comm_aligned = p.comm[..a.world].iter().all(|c| c.is_multiple_of(16));
+        p.vec = u32::from(comm_aligned && p.data.is_multiple_of(16));
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver_err("binding the context"))?;
+        // While the stream is captured into a graph the host epoch would be frozen into the
+        // graph, so the kernel must not check it (comm.cu: "Where the epoch comes from").
+        // SAFETY: our live stream.
+        if unsafe { result::stream::is_capturing(self.stream.cu_stream()) }
+            .map_err(driver_err("cuStreamIsCapturing"))?
+        {
+            p.host_epoch = 0;
+        }
+        let grid =
+            Self::allreduce_grid(self.comm_blocks, a.data.len, a.data.dtype, a.world, a.algo);
+        let algo = match a.algo {
+            CommAlgo::Oneshot => "oneshot",
+            CommAlgo::Twoshot => "twoshot",
+        };
+        let name = format!("allreduce_{algo}_{}", a.data.dtype);
+        // SAFETY: ArParams is allreduce_*'s parameter; every address bounds-checked above; the
+        // error words outlive the device, which syncs before dropping them.
+        unsafe { self.launch(&name, grid, AR_THREADS, &mut p) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The `#define`s of the .cu sources must equal the Rust mirrors.
+    #[test]
+    fn cu_defines_match_rust_constants() {
+        let comm = program::SOURCES[1].1;
+        let reduce = program::SOURCES[0].1;
+        let def = |src: &str, name: &str| -> String {
+            let line = src
+                .lines()
+                .find(|l| l.starts_with(&format!("#define {name} ")))
+                .unwrap_or_else(|| panic!("{name} not defined"));
+            line[format!("#define {name} ").len()..]
+                .split("//")
+                .next()
+                .unwrap()
+                .trim()
+                .to_string()
+        };
+        assert_eq!(def(comm, "TP_MAX_WORLD"), MAX_WORLD.to_string());
+        assert_eq!(def(comm, "TP_MAX_BLOCKS"), MAX_BLOCKS.to_string());
+        assert_eq!(def(comm, "TP_AR_THREADS"), AR_THREADS.to_string());
+        assert_eq!(def(comm, "TP_SIG_EPOCH"), format!("{SIG_EPOCH}u"));
+        assert_eq!(def(comm, "TP_SIG_DONE"), "(8192u + 64u)");
+        assert_eq!(SIG_DONE, 8192 + 64);
+        assert_eq!(def(comm, "TP_SIG_FLAGS"), "(8192u + 128u)");
+        assert_eq!(SIG_FLAGS, 8192 + 128);
+        assert_eq!(def(comm, "TP_SIGNAL_BYTES"), "(256ull * 1024ull)");
+        assert_eq!(SIGNAL_BYTES, 256 * 1024);
+        assert_eq!(def(comm, "TP_ERR_PEERS"), ERR_PEERS.to_string());
+        assert_eq!(def(comm, "TP_ERR_TIMEOUT"), format!("{ERR_TIMEOUT}u"));
+        assert_eq!(def(comm, "TP_ERR_EPOCH"), format!("{ERR_EPOCH}u"));
+        assert_eq!(def(comm, "TP_ERR_DEV_EPOCH"), ERR_DEV_EPOCH.to_string());
+        assert_eq!(def(comm, "TP_ERR_HOST_EPOCH"), ERR_HOST_EPOCH.to_string());
+        assert_eq!(def(comm, "TP_ERR_CODE"), ERR_CODE.to_string());
+        assert_eq!(def(reduce, "TP_THREADS"), THREADS.to_string());
+        assert_eq!(def(reduce, "TP_MAX_INPUTS"), MAX_INPUTS.to_string());
+    }
+
+    #[test]
+    fn allreduce_grid_is_small_for_decode_and_capped() {
+        let g = |n, d, w, a| Launcher::allreduce_grid(64, n, d, w, a);
+        assert_eq!(g(1, DType::F32, 4, CommAlgo::Oneshot), 1);
+        // 16 KiB of f32 = 1024 packs = 2 blocks of 512 threads.
+        assert_eq!(g(4096, DType::F32, 4, CommAlgo::Oneshot), 2);
+        assert_eq!(g(64 << 20, DType::BF16, 4, CommAlgo::Twoshot), 64);
+        assert_eq!(
+            Launcher::allreduce_grid(1000, 1 << 30, DType::F32, 2, CommAlgo::Oneshot),
+            128
+        );
+    }
+}

@@ -1,0 +1,351 @@
+//! Owning types for CUDA memory: [`CudaBuf`] (private, VMM-shareable, legacy-shareable or
+//! imported device memory) and [`HostWords`] (pinned host words the GPU reports errors into).
+//!
+//! Owns: allocation, export, import and release; `Drop` releases everything and never panics
+//! (errors are logged, as cudarc's `Drop`s record rather than unwrap).
+//! Must not: queue work or know about ops.
+//!
+//! Shareable memory never comes from the stream-ordered pool (`cuMemAllocAsync`): pool memory
+//! cannot be exported with `cuIpcGetMemHandle`, and VMM export needs a `cuMemCreate` handle.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+use cudarc::driver::CudaContext;
+
+use super::result;
+use super::{driver_err, IpcMode};
+use crate::device::{Export, ExportMeta};
+use crate::{KernelError, Result};
+
+/// How a [`CudaBuf`]'s memory was obtained, i.e. how it is given back.
+enum Backing {
+    /// `cuMemAlloc` (private memory, and legacy-shareable memory).
+    Alloc,
+    /// A VMM mapping: `size` bytes (the padded size) of physical allocation `handle` mapped at
+    /// the buffer's address, in a reserved range of the same size.
+    Vmm {
+        handle: sys::CUmemGenericAllocationHandle,
+        size: usize,
+    },
+    /// A peer's legacy allocation opened with `cuIpcOpenMemHandle`.
+    IpcOpened,
+}
+
+/// Device memory owned by, or mapped into, this process.
+pub struct CudaBuf {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    backing: Backing,
+    /// Keeps the context alive (and current-able) for as long as the memory exists.
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: a CudaBuf is a device address plus ownership; the driver API is thread-safe, and
+// concurrent access to the memory is ordered by streams and the communicator's flags, as for
+// every device buffer.
+unsafe impl Send for CudaBuf {}
+// SAFETY: `&CudaBuf` only hands out the device address.
+unsafe impl Sync for CudaBuf {}
+
+impl std::fmt::Debug for CudaBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.backing {
+            Backing::Alloc => "alloc",
+            Backing::Vmm { .. } => "vmm",
+            Backing::IpcOpened => "ipc",
+        };
+        write!(f, "CudaBuf({kind} {:#x}, {} bytes)", self.ptr, self.len)
+    }
+}
+
+impl CudaBuf {
+    /// Usable bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device address (valid in this process's context).
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub(crate) fn check(&self, offset: usize, bytes: usize) -> Result<()> {
+        match offset.checked_add(bytes) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(KernelError::Invalid(format!(
+                "range {offset}..{offset}+{bytes} is outside a {}-byte buffer",
+                self.len
+            ))),
+        }
+    }
+
+    /// The device address of byte `offset`, after a bounds check of `bytes` bytes there.
+    pub(crate) fn addr(&self, offset: usize, bytes: usize) -> Result<u64> {
+        self.check(offset, bytes)?;
+        Ok(self.ptr + offset as u64)
+    }
+
+    /// Private memory from `cuMemAlloc`, not yet zeroed (the caller queues the memset).
+    pub(crate) fn alloc(ctx: &Arc<CudaContext>, bytes: usize) -> Result<CudaBuf> {
+        ctx.bind_to_thread()
+            .map_err(driver_err("binding the context"))?;
+        // SAFETY: the context is current (bound above). At least 1 byte: cuMemAlloc rejects 0.
+        let ptr = unsafe { result::mem::alloc(bytes.max(1)) }
+            .map_err(driver_err(format!("cuMemAlloc of {bytes} bytes")))?;
+        Ok(CudaBuf {
+            ptr,
+            len: bytes,
+            backing: Backing::Alloc,
+            ctx: ctx.clone(),
+        })
+    }
+
+    /// Shareable memory and its export, in the given (resolved) mode. Not yet zeroed.
+    pub(crate) fn alloc_shared(
+        ctx: &Arc<CudaContext>,
+        mode: IpcMode,
+        bytes: usize,
+    ) -> Result<(CudaBuf, Export)> {
+        match mode {
+            IpcMode::Legacy => {
+                let buf = Self::alloc(ctx, bytes)?;
+                // SAFETY: `buf.ptr` is the base of a live cuMemAlloc allocation; context bound
+                // in `alloc`.
+                let h = unsafe { result::mem::ipc_get(buf.ptr) }
+                    .map_err(driver_err("cuIpcGetMemHandle"))?;
+                let handle = h.reserved.iter().map(|&c| c as u8).collect();
+                Ok((
+                    buf,
+                    Export {
+                        meta: ExportMeta::CudaLegacy { bytes, handle },
+                        fd: None,
+                    },
+                ))
+            }
+            IpcMode::Fd | IpcMode::Auto => {
+                let (buf, size) = Self::vmm_create(ctx, bytes)?;
+                let Backing::Vmm { handle, .. } = buf.backing else {
+                    unreachable!("vmm_create returns a VMM buffer")
+                };
+                // SAFETY: `handle` is live (owned by `buf`) and was created with the POSIX fd
+                // handle type.
+                let fd = unsafe { result::vmm::export_fd(handle) }
+                    .map_err(driver_err("cuMemExportToShareableHandle (POSIX fd)"))?;
+                // SAFETY: the driver just created this descriptor for us; nobody else owns it.
+                let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+                Ok((
+                    buf,
+                    Export {
+                        meta: ExportMeta::CudaVmmFd { bytes: size },
+                        fd: Some(fd),
+                    },
+                ))
+            }
+        }
+    }
+
+    /// A VMM allocation of at least `bytes` bytes, mapped read-write for this device.
+    /// Returns the buffer (len = `bytes`) and the padded size.
+    fn vmm_create(ctx: &Arc<CudaContext>, bytes: usize) -> Result<(CudaBuf, usize)> {
+        ctx.bind_to_thread()
+            .map_err(driver_err("binding the context"))?;
+        let dev = ctx.cu_device();
+        let prop = result::vmm::device_prop(dev);
+        // SAFETY: driver initialised (a context exists).
+        let gran = unsafe { result::vmm::granularity(&prop) }
+            .map_err(driver_err("cuMemGetAllocationGranularity"))?;
+        let size = bytes.max(1).div_ceil(gran) * gran;
+        // SAFETY: context current; size is a multiple of the granularity.
+        let handle = unsafe { result::vmm::create(size, &prop) }
+            .map_err(driver_err(format!("cuMemCreate of {size} bytes")))?;
+        let buf = Self::vmm_map(ctx, handle, size, bytes)?;
+        Ok((buf, size))
+    }
+
+    /// Reserves an address range for `handle` (`size` bytes), maps it and grants this device
+    /// read-write access. Takes ownership of `handle` (released on error).
+    fn vmm_map(
+        ctx: &Arc<CudaContext>,
+        handle: sys::CUmemGenericAllocationHandle,
+        size: usize,
+        len: usize,
+    ) -> Result<CudaBuf> {
+        let dev = ctx.cu_device();
+        let release = |e: KernelError| {
+            // SAFETY: `handle` is owned here and released once, on this error path only.
+            if let Err(re) = unsafe { result::vmm::release(handle) } {
+                tracing::warn!("cuMemRelease after a failed mapping: {re:?}");
+            }
+            e
+        };
+        // SAFETY: context bound by the caller. Alignment 0 = the granularity.
+        let ptr = unsafe { result::vmm::reserve(size, 0) }
+            .map_err(driver_err(format!("cuMemAddressReserve of {size} bytes")))
+            .map_err(release)?;
+        // SAFETY: `ptr..ptr+size` was just reserved and is unmapped; `handle` is live.
+        if let Err(e) = unsafe { result::vmm::map(ptr, size, handle) } {
+            // SAFETY: reserved above, nothing mapped, freed once.
+            let _ = unsafe { result::vmm::address_free(ptr, size) };
+            return Err(release(driver_err("cuMemMap")(e)));
+        }
+        // From here on the buffer's Drop undoes everything.
+        let buf = CudaBuf {
+            ptr,
+            len,
+            backing: Backing::Vmm { handle, size },
+            ctx: ctx.clone(),
+        };
+        // SAFETY: the range is mapped.
+        unsafe { result::vmm::set_access_rw(ptr, size, dev) }
+            .map_err(driver_err("cuMemSetAccess"))?;
+        Ok(buf)
+    }
+
+    /// Maps a peer's export into this process.
+    pub(crate) fn import(ctx: &Arc<CudaContext>, export: Export) -> Result<CudaBuf> {
+        ctx.bind_to_thread()
+            .map_err(driver_err("binding the context"))?;
+        match (export.meta, export.fd) {
+            (ExportMeta::CudaVmmFd { bytes }, Some(fd)) => {
+                // SAFETY: `fd` is open (we own it) and a context is current. The fd is not
+                // consumed: it closes when `fd` drops at the end of this function, and the
+                // imported handle keeps the memory alive.
+                let handle = unsafe { result::vmm::import_fd(fd.as_raw_fd()) }
+                    .map_err(driver_err("cuMemImportFromShareableHandle (POSIX fd)"))?;
+                Self::vmm_map(ctx, handle, bytes, bytes)
+            }
+            (ExportMeta::CudaLegacy { bytes, handle }, _) => {
+                if handle.len() != 64 {
+                    return Err(KernelError::Invalid(format!(
+                        "a legacy CUDA IPC handle has 64 bytes, got {}",
+                        handle.len()
+                    )));
+                }
+                let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
+                for (d, s) in h.reserved.iter_mut().zip(&handle) {
+                    *d = *s as std::ffi::c_char;
+                }
+                // SAFETY: context current; the handle is passed by value.
+                let ptr = unsafe { result::mem::ipc_open(h) }.map_err(driver_err(
+                    "cuIpcOpenMemHandle (a handle from this same process cannot be opened)",
+                ))?;
+                Ok(CudaBuf {
+                    ptr,
+                    len: bytes,
+                    backing: Backing::IpcOpened,
+                    ctx: ctx.clone(),
+                })
+            }
+            (meta, _) => Err(KernelError::Invalid(format!(
+                "the cuda backend cannot import {meta:?} (a peer on another backend, or an fd \
+                 that did not arrive?)"
+            ))),
+        }
+    }
+}
+
+impl Drop for CudaBuf {
+    fn drop(&mut self) {
+        // Never panics: every failure is logged and the rest is still released. Queued work
+        // using this memory must be finished by now (callers sync before dropping buffers;
+        // CudaDevice::drop synchronises its stream).
+        if let Err(e) = self.ctx.bind_to_thread() {
+            tracing::warn!("freeing {self:?}: cannot bind its context: {e:?}");
+            return;
+        }
+        // In every arm the memory was obtained as `backing` says, in this context, and is
+        // released exactly once, here.
+        let r = match self.backing {
+            // SAFETY: see above (cuMemAlloc'd).
+            Backing::Alloc => unsafe { result::mem::free(self.ptr) },
+            // SAFETY: see above (opened with cuIpcOpenMemHandle).
+            Backing::IpcOpened => unsafe { result::mem::ipc_close(self.ptr) },
+            // SAFETY: see above; unmapped before its range is freed, and the physical handle
+            // released last (the driver frees the memory once no mapping refers to it).
+            Backing::Vmm { handle, size } => unsafe {
+                let a = result::vmm::unmap(self.ptr, size);
+                let b = result::vmm::address_free(self.ptr, size);
+                let c = result::vmm::release(handle);
+                a.and(b).and(c)
+            },
+        };
+        if let Err(e) = r {
+            tracing::warn!("freeing {self:?}: {e:?}");
+        }
+    }
+}
+
+/// Words of pinned host memory that kernels write (through their device address) and the host
+/// reads after synchronising: the channel for device-side errors (timeouts, epoch mismatch).
+pub(crate) struct HostWords {
+    host: *mut u32,
+    dev: u64,
+    n: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: pinned host memory addressed by raw pointer; the host reads it only after a stream
+// synchronisation, when no kernel writes it, and writes it only then too.
+unsafe impl Send for HostWords {}
+// SAFETY: as above.
+unsafe impl Sync for HostWords {}
+
+impl HostWords {
+    pub(crate) fn new(ctx: &Arc<CudaContext>, n: usize) -> Result<HostWords> {
+        ctx.bind_to_thread()
+            .map_err(driver_err("binding the context"))?;
+        // SAFETY: context current.
+        let (h, d) = unsafe { result::mem::host_alloc_mapped(n * 4) }
+            .map_err(driver_err("cuMemHostAlloc (DEVICEMAP)"))?;
+        let w = HostWords {
+            host: h.cast(),
+            dev: d,
+            n,
+            ctx: ctx.clone(),
+        };
+        for i in 0..n {
+            w.set(i, 0);
+        }
+        Ok(w)
+    }
+
+    pub(crate) fn device_addr(&self) -> u64 {
+        self.dev
+    }
+
+    /// Reads word `i`. Volatile: the GPU wrote it behind the compiler's back. Call only after
+    /// the stream that writes it has synchronised (which orders the GPU's writes, made with a
+    /// system-scope fence, before this read).
+    pub(crate) fn get(&self, i: usize) -> u32 {
+        assert!(i < self.n);
+        // SAFETY: in bounds of a live pinned allocation, 4-byte aligned.
+        unsafe { self.host.add(i).read_volatile() }
+    }
+
+    /// Writes word `i` (only while no kernel that writes these words is queued or running).
+    pub(crate) fn set(&self, i: usize, v: u32) {
+        assert!(i < self.n);
+        // SAFETY: as in `get`.
+        unsafe { self.host.add(i).write_volatile(v) }
+    }
+}
+
+impl Drop for HostWords {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_err() {
+            tracing::warn!("freeing the error words: cannot bind the context");
+            return;
+        }
+        // SAFETY: allocated by host_alloc_mapped in this context, freed once; the owning
+        // device synchronised its stream before dropping us.
+        if let Err(e) = unsafe { result::mem::host_free(self.host.cast()) } {
+            tracing::warn!("cuMemFreeHost: {e:?}");
+        }
+    }
+}

@@ -1,0 +1,393 @@
+//! The CUDA backend: [`CudaDevice`] implements [`Device`] on cudarc (driver + NVRTC, both
+//! loaded at run time, so the crate builds and runs where no CUDA is installed).
+//!
+//! Layers (STYLE.md, cudarc's): `cudarc::driver::sys` (raw bindings) → cudarc's `result` and
+//! our [`result`] (the calls cudarc does not wrap: VMM, legacy IPC, mapped host memory) →
+//! owning types here and in [`mem`] with `Drop`. One stream per device: `run` queues on it,
+//! `sync` waits for it and turns device-reported errors (flag-wait timeouts, epoch mismatches,
+//! written into host-mapped words by the kernels) into [`KernelError`]s.
+//!
+//! Kernels are `kernels/src/gpu/*.cu`, compiled by NVRTC for the device's architecture and
+//! cached on disk ([`program`]).
+//!
+//! Must not: know about processes or sockets: a peer's buffer arrives as an [`Export`] whose
+//! fd was already received.
+
+pub mod launch;
+pub mod mem;
+pub mod probe;
+pub mod program;
+pub mod result;
+pub mod selftest;
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::result::DriverError;
+use cudarc::driver::{result as dr, sys, CudaContext, CudaStream};
+
+pub use mem::CudaBuf;
+pub use probe::{device_count, driver_present, nvrtc_present, peer_matrix, probe};
+pub use selftest::{selftest, SelftestResult};
+
+use crate::device::{Device, DeviceInfo, Export, Op};
+use crate::{KernelError, Result};
+use launch::{Kernels, Launcher};
+use mem::HostWords;
+
+/// How shareable buffers are exported to other processes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IpcMode {
+    /// VMM (`cuMemCreate`) exported as a POSIX fd that travels by SCM_RIGHTS: works across
+    /// containers and PID namespaces, and can be imported in the exporting process too.
+    Fd,
+    /// `cuMemAlloc` + `cuIpcGetMemHandle` (64 bytes, no fd): works where VMM fds do not, but
+    /// needs a shared PID namespace, and a process cannot open its own handles.
+    Legacy,
+    /// `Fd` when the device supports it (checked by exporting a small test allocation), else
+    /// `Legacy`.
+    Auto,
+}
+
+impl IpcMode {
+    /// "fd", "legacy" or "auto" (the CLI's spelling).
+    pub fn parse(s: &str) -> Option<IpcMode> {
+        match s {
+            "fd" => Some(IpcMode::Fd),
+            "legacy" => Some(IpcMode::Legacy),
+            "auto" => Some(IpcMode::Auto),
+            _ => None,
+        }
+    }
+}
+
+/// Turns a driver error into a backend error naming the call.
+pub(crate) fn driver_err(what: impl Into<String>) -> impl FnOnce(DriverError) -> KernelError {
+    let what = what.into();
+    move |e| KernelError::Backend(format!("{what}: {e:?}"))
+}
+
+/// One rank's CUDA device: a context (the device's primary context, shared with every other
+/// `CudaDevice` of this process on the same ordinal), one stream, the loaded kernels and the
+/// error words.
+pub struct CudaDevice {
+    ordinal: usize,
+    mode: IpcMode,
+    info: DeviceInfo,
+    sms: u32,
+    /// Most blocks one allreduce launch uses; see [`CudaDevice::set_comm_blocks`].
+    comm_blocks: AtomicU32,
+    /// The timeout of the last allreduce queued, for the error message.
+    last_timeout_ns: AtomicU64,
+    err: HostWords,
+    kernels: Kernels,
+    stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal` (after CUDA_VISIBLE_DEVICES), compiles or loads the kernels, and
+    /// resolves `mode` (Auto → Fd or Legacy). `Unavailable` when there is no driver, no such
+    /// device, or no NVRTC.
+    pub fn new(ordinal: usize, mode: IpcMode) -> Result<CudaDevice> {
+        probe::init()?;
+        let count = dr::device::get_count().map_err(driver_err("cuDeviceGetCount"))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(KernelError::Unavailable {
+                backend: "cuda",
+                why: format!("no CUDA device {ordinal} ({count} visible)"),
+            });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| KernelError::Unavailable {
+            backend: "cuda",
+            why: format!("cannot open device {ordinal}: {e:?}"),
+        })?;
+        let stream = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
+        let info = probe::probe()?
+            .into_iter()
+            .nth(ordinal)
+            .expect("ordinal checked above");
+        let attr = |a| ctx.attribute(a).map_err(driver_err("cuDeviceGetAttribute"));
+        let sms = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+        let cc = ctx
+            .compute_capability()
+            .map_err(driver_err("compute capability"))?;
+        let mode = Self::resolve_mode(&ctx, mode)?;
+        let kernels = Kernels::load(&ctx, cc)?;
+        let err = HostWords::new(&ctx, launch::ERR_WORDS)?;
+        // Default grid cap: all blocks of up to 4 ranks sharing this device must be resident
+        // at once (their flag waits spin on each other; a block that cannot be scheduled
+        // would leave its peers waiting until the timeout), so a fifth of what fits: four
+        // ranks plus room for other work. A quarter, filling the GPU exactly, timed out on the
+        // first H200 run (2026-12-02).
+        let fit = kernels.allreduce_blocks_per_sm()? * sms;
+        let comm_blocks = (fit / 5).clamp(1, launch::MAX_BLOCKS as u32);
+        tracing::debug!(
+            "cuda device {ordinal}: {} {}, {sms} SMs, ipc {mode:?}, {comm_blocks} comm blocks",
+            info.name,
+            info.arch
+        );
+        Ok(CudaDevice {
+            ordinal,
+            mode,
+            info,
+            sms,
+            comm_blocks: AtomicU32::new(comm_blocks),
+            last_timeout_ns: AtomicU64::new(0),
+            err,
+            kernels,
+            stream,
+            ctx,
+        })
+    }
+
+    fn resolve_mode(ctx: &Arc<CudaContext>, mode: IpcMode) -> Result<IpcMode> {
+        let supported = |a| ctx.attribute(a).map(|v| v != 0).unwrap_or(false);
+        let vmm = supported(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+        ) && supported(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+        );
+        match mode {
+            IpcMode::Legacy => Ok(IpcMode::Legacy),
+            IpcMode::Fd if vmm => Ok(IpcMode::Fd),
+            IpcMode::Fd => Err(KernelError::Unavailable {
+                backend: "cuda",
+                why: "this device does not support VMM POSIX-fd export (use --ipc legacy)".into(),
+            }),
+            IpcMode::Auto => {
+                // The attributes can claim support where a container forbids it: try it.
+                let works = vmm && CudaBuf::alloc_shared(ctx, IpcMode::Fd, 1).is_ok();
+                Ok(if works { IpcMode::Fd } else { IpcMode::Legacy })
+            }
+        }
+    }
+
+    /// The resolved IPC mode (never `Auto`).
+    pub fn ipc_mode(&self) -> IpcMode {
+        self.mode
+    }
+
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Streaming multiprocessors.
+    pub fn sms(&self) -> u32 {
+        self.sms
+    }
+
+    /// Most blocks one allreduce launch uses.
+    pub fn comm_blocks(&self) -> u32 {
+        // Relaxed: a plain setting that publishes nothing else; pairs with set_comm_blocks.
+        self.comm_blocks.load(Ordering::Relaxed)
+    }
+
+    /// Sets the most blocks one allreduce launch uses (1..=128). Every rank of a job must use
+    /// the same value (ranks compute the grid alike, and block b waits for the peers' block
+    /// b). The default (a fifth of [`CudaDevice::comm_block_capacity`]) suits up to 4 ranks
+    /// per device; with one rank per device it can be raised towards the capacity, with more
+    /// ranks per device it must be lowered below capacity / ranks.
+    pub fn set_comm_blocks(&self, n: u32) {
+        // Relaxed: a plain setting read at the next launch by the thread that queues it.
+        self.comm_blocks
+            .store(n.clamp(1, launch::MAX_BLOCKS as u32), Ordering::Relaxed);
+    }
+
+    /// (kernel, blocks per SM) of every allreduce kernel, for `tprun info` and tuning notes.
+    pub fn allreduce_occupancy(&self) -> Result<Vec<(String, u32)>> {
+        self.kernels.allreduce_occupancy()
+    }
+
+    /// Allreduce blocks that fit on the device at once.
+    pub fn comm_block_capacity(&self) -> Result<u32> {
+        Ok(self.kernels.allreduce_blocks_per_sm()? * self.sms)
+    }
+
+    /// This device's stream (graph-capture tests; nothing above this crate sees raw handles).
+    #[cfg(test)]
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver_err("binding the context"))
+    }
+
+    fn launcher(&self) -> Launcher<'_> {
+        Launcher {
+            ctx: &self.ctx,
+            stream: &self.stream,
+            kernels: &self.kernels,
+            sms: self.sms,
+            comm_blocks: self.comm_blocks(),
+            err_words: self.err.device_addr(),
+        }
+    }
+
+    /// Zeroes `buf` and waits, so that other streams (peers') see zeros too.
+    fn zero(&self, buf: &CudaBuf) -> Result<()> {
+        // SAFETY: the whole buffer is live device memory; we wait below.
+        unsafe {
+            result::mem::memset_d8_async(
+                buf.device_ptr(),
+                0,
+                buf.len().max(1),
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(driver_err("cuMemsetD8Async"))?;
+        self.sync()
+    }
+
+    /// Turns what the kernels reported into an error, and clears it. Call only after the
+    /// stream synchronised.
+    fn take_device_error(&self) -> Result<()> {
+        let code = self.err.get(launch::ERR_CODE);
+        if code == 0 {
+            return Ok(());
+        }
+        let dev_epoch = self.err.get(launch::ERR_DEV_EPOCH);
+        let host_epoch = self.err.get(launch::ERR_HOST_EPOCH);
+        let peers: Vec<usize> = (0..crate::comm::MAX_WORLD)
+            .filter(|&p| self.err.get(launch::ERR_PEERS + p) != 0)
+            .collect();
+        for i in 0..launch::ERR_WORDS {
+            self.err.set(i, 0);
+        }
+        Err(match code {
+            // Relaxed load of last_timeout_ns: written by `run` on a thread that queued work we
+            // have just synchronised with; it only labels the message.
+            launch::ERR_TIMEOUT => KernelError::Timeout {
+                what: "allreduce (device flag wait)",
+                waited: Duration::from_nanos(self.last_timeout_ns.load(Ordering::Relaxed)),
+                peers,
+            },
+            launch::ERR_EPOCH => KernelError::Invalid(format!(
+                "allreduce called with epoch {host_epoch}, but the device's epoch counter is \
+                 at {dev_epoch} (every call must advance the epoch by one)"
+            )),
+            c => KernelError::Backend(format!("unknown device error code {c}")),
+        })
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        // Queued work may still use the error words and the kernels: wait for it. Never
+        // panics; an error here can only be reported.
+        if self.bind().is_ok() {
+            if let Err(e) = self.stream.synchronize() {
+                tracing::warn!("cuda device {}: sync at drop: {e:?}", self.ordinal);
+            }
+        }
+    }
+}
+
+impl Device for CudaDevice {
+    type Buf = CudaBuf;
+
+    fn info(&self) -> DeviceInfo {
+        self.info.clone()
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<CudaBuf> {
+        let buf = CudaBuf::alloc(&self.ctx, bytes)?;
+        self.zero(&buf)?;
+        Ok(buf)
+    }
+
+    fn alloc_shared(&self, bytes: usize) -> Result<(CudaBuf, Export)> {
+        let (buf, export) = CudaBuf::alloc_shared(&self.ctx, self.mode, bytes)?;
+        self.zero(&buf)?;
+        Ok((buf, export))
+    }
+
+    fn import(&self, export: Export) -> Result<CudaBuf> {
+        CudaBuf::import(&self.ctx, export)
+    }
+
+    fn write(&self, dst: &CudaBuf, offset: usize, src: &[u8]) -> Result<()> {
+        let d = dst.addr(offset, src.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: bounds-checked. From pageable memory the driver copies `src` to a staging
+        // buffer before returning (CUDA "API synchronization behavior"), so `src` may be
+        // reused at once; the copy is ordered on our stream with the ops.
+        unsafe { dr::memcpy_htod_async(d, src, self.stream.cu_stream()) }
+            .map_err(driver_err("cuMemcpyHtoDAsync"))
+    }
+
+    fn read(&self, src: &CudaBuf, offset: usize, dst: &mut [u8]) -> Result<()> {
+        let s = src.addr(offset, dst.len())?;
+        if dst.is_empty() {
+            return self.sync();
+        }
+        self.bind()?;
+        // SAFETY: bounds-checked; `dst` stays borrowed until the sync below has completed the
+        // copy.
+        unsafe { dr::memcpy_dtoh_async(dst, s, self.stream.cu_stream()) }
+            .map_err(driver_err("cuMemcpyDtoHAsync"))?;
+        self.sync()
+    }
+
+    fn run(&self, op: &Op<'_, CudaBuf>) -> Result<()> {
+        self.bind()?;
+        let l = self.launcher();
+        match op {
+            Op::Copy { src, dst } => l.copy(src, dst),
+            Op::ReduceSum { inputs, out } => l.reduce_sum(inputs, out),
+            Op::Allreduce(args) => {
+                // Relaxed: only read back by this device's own error report, after a sync.
+                self.last_timeout_ns.store(
+                    u64::try_from(args.timeout.as_nanos()).unwrap_or(u64::MAX),
+                    Ordering::Relaxed,
+                );
+                l.allreduce(args)
+            }
+            // The decode ops' GPU kernels are a later piece of work; until then a GPU rank
+            // can communicate but not run a model.
+            other => Err(KernelError::Unavailable {
+                backend: "cuda",
+                why: format!(
+                    "no CUDA kernel for '{}' yet (decode runs on --backend cpu)",
+                    other.name()
+                ),
+            }),
+        }
+    }
+
+    fn sync(&self) -> Result<()> {
+        self.bind()?;
+        self.stream
+            .synchronize()
+            .map_err(driver_err("cuStreamSynchronize"))?;
+        self.take_device_error()
+    }
+
+    /// Times with CUDA events around the work `f` queues (no host clock, no launch gaps
+    /// before the first op).
+    fn time(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<Duration> {
+        self.sync()?;
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self
+            .stream
+            .record_event(flags)
+            .map_err(driver_err("cuEventRecord"))?;
+        f()?;
+        let end = self
+            .stream
+            .record_event(flags)
+            .map_err(driver_err("cuEventRecord"))?;
+        self.sync()?;
+        let ms = start
+            .elapsed_ms(&end)
+            .map_err(driver_err("cuEventElapsedTime"))?;
+        Ok(Duration::from_secs_f64(f64::from(ms) / 1e3))
+    }
+}

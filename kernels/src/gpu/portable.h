@@ -1,0 +1,199 @@
+// portable.h: what differs between CUDA (NVRTC) and HIP (hipcc / hiprtc) for tprun's kernels.
+//
+// Owns: fixed-width integer names, the wavefront size, shuffles, f16/bf16 <-> f32 conversion
+// done on bits (no vendor headers: cuda_fp16.h is not on NVRTC's default include path and
+// Debian's HIP 5.2 has no hip_bf16.h), memory-ordering primitives at the scopes the flag
+// protocols need, and a nanosecond clock for bounded waits.
+// Must not: hold kernels or any layout of tprun's buffers (those live in the *.cu files).
+//
+// The Rust side inlines this file where a source says #include "portable.h" before handing it
+// to NVRTC, so it may include nothing that NVRTC cannot find on its own.
+
+#pragma once
+
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
+#define TP_HIP 1
+#if !defined(__HIPCC_RTC__)
+#include <hip/hip_runtime.h>
+#endif
+#else
+#define TP_CUDA 1
+#endif
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define TP_DEV __device__ __forceinline__
+
+// Kernel launch bounds: at most `threads` per block and, on CUDA, registers capped so that at
+// least `min_blocks` blocks fit on one SM. HIP's second argument means something else (minimum
+// waves per execution unit), so only the thread bound is passed there.
+#if defined(TP_HIP)
+#define TP_LAUNCH_BOUNDS(threads, min_blocks) __launch_bounds__(threads)
+#else
+#define TP_LAUNCH_BOUNDS(threads, min_blocks) __launch_bounds__(threads, min_blocks)
+#endif
+
+// ---- wavefront --------------------------------------------------------------------------
+// 32 lanes on every NVIDIA GPU; 64 on gfx9 (gfx906, gfx90a, gfx942), 32 on RDNA in wave32
+// mode. clang defines __AMDGCN_WAVEFRONT_SIZE per target, so never hard-code 32.
+#if defined(TP_HIP)
+#if defined(__AMDGCN_WAVEFRONT_SIZE)
+#define TP_WAVE __AMDGCN_WAVEFRONT_SIZE
+#else
+#define TP_WAVE 64
+#endif
+#else
+#define TP_WAVE 32
+#endif
+
+// XOR shuffle of a 32-bit value across the wavefront (all lanes active).
+TP_DEV float tp_shfl_xor(float v, int mask) {
+#if defined(TP_HIP)
+    return __shfl_xor(v, mask, TP_WAVE);
+#else
+    return __shfl_xor_sync(0xffffffffu, v, mask, TP_WAVE);
+#endif
+}
+
+// Sum of v over the wavefront, the same value in every lane. Adds in butterfly order, which is
+// deterministic but not rank order: use it for statistics, never where bits must match the CPU.
+TP_DEV float tp_wave_sum(float v) {
+#pragma unroll
+    for (int m = TP_WAVE / 2; m > 0; m /= 2) v += tp_shfl_xor(v, m);
+    return v;
+}
+
+// ---- bits <-> f32 -----------------------------------------------------------------------
+TP_DEV float tp_f32_from_bits(u32 b) { return __uint_as_float(b); }
+TP_DEV u32 tp_f32_bits(float f) { return __float_as_uint(f); }
+
+// f16 (IEEE binary16) -> f32: exact.
+TP_DEV float tp_f16_to_f32(u16 h) {
+    u32 sign = (u32)(h & 0x8000u) << 16;
+    u32 exp = (h >> 10) & 0x1fu;
+    u32 man = h & 0x3ffu;
+    if (exp == 0x1fu) {  // inf / NaN: keep the payload in the top mantissa bits
+        return tp_f32_from_bits(sign | 0x7f800000u | (man << 13));
+    }
+    if (exp == 0) {
+        if (man == 0) return tp_f32_from_bits(sign);  // +-0
+        // Subnormal: normalise. Value = man * 2^-24.
+        int e = -1;
+        do { man <<= 1; e++; } while ((man & 0x400u) == 0);
+        man &= 0x3ffu;
+        return tp_f32_from_bits(sign | ((u32)(127 - 15 - e) << 23) | (man << 13));
+    }
+    return tp_f32_from_bits(sign | ((exp + (127 - 15)) << 23) | (man << 13));
+}
+
+// f32 -> f16, round to nearest even. The same case split as the `half` crate's portable
+// fallback (and as x86 F16C, which `half` uses when present), so results match bit for bit:
+// NaN stays NaN with the quiet bit set, overflow goes to inf, tiny values to (signed) zero.
+TP_DEV u16 tp_f32_to_f16(float f) {
+    u32 x = tp_f32_bits(f);
+    u32 sign = (x & 0x80000000u) >> 16;
+    u32 exp = x & 0x7f800000u;
+    u32 man = x & 0x007fffffu;
+    if (exp == 0x7f800000u) {
+        if (man != 0) return (u16)(sign | 0x7c00u | 0x0200u | (man >> 13));
+        return (u16)(sign | 0x7c00u);
+    }
+    int he = (int)(exp >> 23) - 127 + 15;  // biased f16 exponent
+    if (he >= 0x1f) return (u16)(sign | 0x7c00u);
+    if (he <= 0) {
+        if (14 - he > 24) return (u16)sign;  // below half the smallest subnormal
+        man |= 0x00800000u;                  // implicit bit
+        u32 shift = (u32)(14 - he);
+        u32 hm = man >> shift;
+        u32 round = 1u << (shift - 1);
+        // Round up when the dropped bits are > half, or == half and hm is odd (ties to even).
+        if ((man & round) != 0 && (man & (3u * round - 1u)) != 0) hm += 1;
+        return (u16)(sign | hm);
+    }
+    u32 h = sign | ((u32)he << 10) | (man >> 13);
+    // A carry out of the mantissa correctly bumps the exponent (up to inf).
+    if ((man & 0x1000u) != 0 && (man & (3u * 0x1000u - 1u)) != 0) h += 1;
+    return (u16)h;
+}
+
+// bf16 -> f32: exact (bf16 is the top half of an f32).
+TP_DEV float tp_bf16_to_f32(u16 b) { return tp_f32_from_bits((u32)b << 16); }
+
+// f32 -> bf16, round to nearest even, NaN kept quiet: the `half` crate's rule.
+TP_DEV u16 tp_f32_to_bf16(float f) {
+    u32 x = tp_f32_bits(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (u16)((x >> 16) | 0x0040u);
+    u32 round = 0x8000u;
+    if ((x & round) != 0 && (x & (3u * round - 1u)) != 0) return (u16)((x >> 16) + 1);
+    return (u16)(x >> 16);
+}
+
+// ---- memory ordering --------------------------------------------------------------------
+// Cross-process flags live in peers' memory (IPC-mapped device memory, possibly over NVLink /
+// xGMI / PCIe), so publication must be at SYSTEM scope: a GPU-scope release only orders our
+// writes for observers on this device.
+
+// Store `v` to *p with release semantics at system scope: every write this thread made before
+// (and, through a preceding __syncthreads, every write of its block; PTX causality order is
+// transitive through bar.sync) is visible to a thread that reads `v` with tp_ld_acquire_sys.
+TP_DEV void tp_st_release_sys(u32* p, u32 v) {
+#if defined(TP_HIP)
+    // clang's __atomic builtins default to system scope on amdgcn.
+    __atomic_store_n(p, v, __ATOMIC_RELEASE);
+#else
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+#endif
+}
+
+// Load *p with acquire semantics at system scope: pairs with tp_st_release_sys.
+TP_DEV u32 tp_ld_acquire_sys(const u32* p) {
+#if defined(TP_HIP)
+    return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+#else
+    u32 v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+#endif
+}
+
+// Relaxed (volatile, never cached in registers) load and store: for words that publish
+// nothing but themselves.
+TP_DEV u32 tp_ld_relaxed(const u32* p) { return *(const volatile u32*)p; }
+TP_DEV void tp_st_relaxed(u32* p, u32 v) { *(volatile u32*)p = v; }
+
+// Atomic add with acquire-release semantics at device (GPU / agent) scope; returns the old
+// value. Used for counters that only blocks of one launch on one device touch.
+TP_DEV u32 tp_atomic_add_acq_rel_gpu(u32* p, u32 v) {
+#if defined(TP_HIP)
+    return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT);
+#else
+    u32 old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
+                 : "=r"(old)
+                 : "l"(p), "r"(v)
+                 : "memory");
+    return old;
+#endif
+}
+
+// Makes this thread's earlier writes visible system-wide before its later writes (used before
+// reporting an error through host-mapped memory).
+TP_DEV void tp_fence_sys() { __threadfence_system(); }
+
+// ---- time -------------------------------------------------------------------------------
+// Nanoseconds from a clock that runs at a constant rate whatever the SM clock does.
+TP_DEV u64 tp_time_ns() {
+#if defined(TP_HIP)
+    // s_memrealtime counts at 100 MHz on gfx9 (HIP's hipDeviceAttributeWallClockRate).
+    return __builtin_amdgcn_s_memrealtime() * 10ull;
+#else
+    // %globaltimer: a nanosecond counter (PTX ISA, "Special Registers"; updates every ~1 us).
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+#endif
+}
