@@ -92,11 +92,13 @@ struct RowOut {
     time_p99_us: f64,
     algbw_gbps: f64,
     busbw_gbps: f64,
+    /// Per call when replayed from a device graph (slowest rank), where capturable.
+    graph_us: Option<f64>,
     wrong: u64,
 }
 
 /// One rank's result for one row: the algorithm it ran, per-iteration µs, wrong elements.
-type RankRow = (Algo, Vec<f32>, u64);
+type RankRow = (Algo, Vec<f32>, u64, Option<f32>);
 
 struct Collector {
     world: usize,
@@ -133,6 +135,10 @@ impl Collector {
         let n = self.world as f64;
         let busbw = algbw * 2.0 * (n - 1.0) / n;
         let wrong = reps.iter().map(|r| r.2).sum();
+        let graph = reps
+            .iter()
+            .map(|r| r.3.map(f64::from))
+            .try_fold(0.0f64, |m, g| g.map(|g| m.max(g)));
         let out = RowOut {
             bytes,
             count: row.count,
@@ -143,6 +149,7 @@ impl Collector {
             time_p99_us: p99,
             algbw_gbps: algbw,
             busbw_gbps: busbw,
+            graph_us: graph,
             wrong,
         };
         if !self.json {
@@ -175,8 +182,17 @@ impl Collector {
             };
             let _ = writeln!(
                 o,
-                "{:>12} {:>12} {:>5} {:>13} {:>10.2} {:>10.2} {:>9.3} {:>9.3} {:>7}",
-                out.bytes, out.count, out.dtype, algo, med, p99, algbw, busbw, wrong
+                "{:>12} {:>12} {:>5} {:>13} {:>10.2} {:>10.2} {:>9.3} {:>9.3} {:>7} {:>10}",
+                out.bytes,
+                out.count,
+                out.dtype,
+                algo,
+                med,
+                p99,
+                algbw,
+                busbw,
+                wrong,
+                graph.map_or("-".to_string(), |g| format!("{g:.2}"))
             );
         }
         self.out.push(out);
@@ -190,6 +206,7 @@ impl Observer for Collector {
             resolved,
             times_us,
             wrong,
+            graph_us,
         } = report
         else {
             return;
@@ -198,7 +215,7 @@ impl Observer for Collector {
         if i >= self.got.len() {
             return;
         }
-        self.got[i][rank] = Some((resolved, times_us, wrong));
+        self.got[i][rank] = Some((resolved, times_us, wrong, graph_us));
         if self.got[i].iter().all(Option::is_some) {
             self.finish_row(i);
         }

@@ -70,6 +70,11 @@ pub enum Command {
     Decode(DecodeArgs),
     /// Write a complete Hugging Face model folder with seeded random weights.
     Synth(SynthArgs),
+    /// What this machine offers: backends, devices (name, memory, arch), peer access.
+    Info(InfoArgs),
+    /// Check every kernel against its CPU twin and every allreduce algorithm and dtype across
+    /// real rank processes; exit 1 on any mismatch.
+    Selftest(SelftestArgs),
     /// Run one rank of a job (started by the coordinator, or by hand inside a container).
     Rank(RankArgs),
 }
@@ -207,4 +212,18 @@ pub struct RankArgs {
     /// File holding the job token (hex). Default: the TPRUN_JOB_TOKEN environment variable.
     #[arg(long)]
     pub token_file: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub struct InfoArgs {
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct SelftestArgs {
+    /// Seed of the random inputs of the kernel checks.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
 }

@@ -620,6 +620,7 @@ fn spawn_rank(
         .arg("--device")
         .arg(device.to_string())
         .env("TPRUN_JOB_TOKEN", hex(token))
+        .env("TPRUN_DEVICE", device.to_string())
         .env("CUDA_VISIBLE_DEVICES", device.to_string())
         .env("HIP_VISIBLE_DEVICES", device.to_string())
         .stdin(Stdio::null())

@@ -5,6 +5,7 @@
 mod bench;
 mod cli;
 mod decode;
+mod info;
 mod launch;
 mod sizes;
 
@@ -56,15 +57,30 @@ impl Settings {
         }
         let backend = match cli.backend {
             BackendArg::Cpu => Backend::Cpu,
-            // GPU backends are detected here once they exist; until then auto means cpu.
-            BackendArg::Auto => Backend::Cpu,
-            BackendArg::Cuda => {
-                return Err(
-                    "backend 'cuda' is not usable: this build has no CUDA backend yet".into(),
-                )
-            }
+            BackendArg::Auto => match cuda_devices() {
+                Ok(n) if n > 0 && devices.iter().all(|&d| d < n) => Backend::Cuda,
+                _ => Backend::Cpu,
+            },
+            BackendArg::Cuda => match cuda_devices() {
+                Ok(0) => {
+                    return Err("backend 'cuda' is not usable: no CUDA device is visible".into())
+                }
+                Ok(n) => {
+                    if let Some(&d) = devices.iter().find(|&&d| d >= n) {
+                        return Err(format!(
+                            "--devices names device {d}, but only {n} CUDA device(s) are visible"
+                        ));
+                    }
+                    Backend::Cuda
+                }
+                Err(why) => return Err(format!("backend 'cuda' is not usable: {why}")),
+            },
             BackendArg::Hip => {
-                return Err("backend 'hip' is not usable: this build has no HIP backend yet".into())
+                return Err(
+                    "backend 'hip' is not usable: this build has no HIP runtime layer \
+                            yet (its kernels compile for gfx906/gfx90a); use --backend cpu"
+                        .into(),
+                )
             }
         };
         let ipc = match cli.ipc {
@@ -99,6 +115,24 @@ impl Settings {
     }
 }
 
+/// Visible CUDA devices, or why the CUDA backend cannot be used (driver or NVRTC missing).
+fn cuda_devices() -> Result<usize, String> {
+    use tprun_kernels::cuda;
+    let devs = cuda::probe().map_err(|e| match e {
+        tprun_kernels::KernelError::Unavailable { why, .. } => why,
+        e => e.to_string(),
+    })?;
+    if !devs.is_empty() && !cuda::nvrtc_present() {
+        return Err(
+            "NVRTC (libnvrtc.so) was not found on the library path; it compiles the \
+                    kernels at run time (CUDA 13 installs libnvrtc.so.13: link libnvrtc.so to it \
+                    or add its folder to LD_LIBRARY_PATH)"
+                .into(),
+        );
+    }
+    Ok(devs.len())
+}
+
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("TPRUN_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
@@ -120,6 +154,7 @@ fn run(cli: Cli) -> i32 {
     match &cli.command {
         Command::Rank(args) => return run_rank(args),
         Command::Synth(args) => return report(decode::synth_cmd(args)),
+        Command::Info(args) => return report(info::info(args)),
         _ => {}
     }
     let settings = match Settings::from_cli(&cli) {
@@ -135,7 +170,8 @@ fn run(cli: Cli) -> i32 {
             what: BenchCommand::Allreduce(a),
         } => bench::run(&settings, a),
         Command::Decode(a) => decode::run(&settings, a),
-        Command::Rank(_) | Command::Synth(_) => unreachable!("handled above"),
+        Command::Selftest(a) => info::selftest(&settings, a),
+        Command::Rank(_) | Command::Synth(_) | Command::Info(_) => unreachable!("handled above"),
     };
     report(result)
 }

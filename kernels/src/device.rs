@@ -256,4 +256,15 @@ pub trait Device: Send + Sync + 'static {
         self.sync()?;
         Ok(t0.elapsed())
     }
+
+    /// Captures the work `f` queues into a graph once, replays it `replays` times back to back
+    /// and returns the time per replay; `None` where the backend has no graphs (CPU). The work
+    /// `f` queues must be capturable (no host synchronisation inside).
+    fn time_graph(
+        &self,
+        _replays: u32,
+        _f: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<Option<Duration>> {
+        Ok(None)
+    }
 }

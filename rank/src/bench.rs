@@ -95,6 +95,17 @@ pub fn run<D: Device>(
                 times.push(t.as_secs_f32() * 1e6);
             }
         }
+        // The same call replayed from a device graph, where the backend and algorithm allow:
+        // what a captured decode step pays per allreduce (no launch gaps).
+        dev.write(&data, 0, &input)?;
+        comm.barrier()?;
+        let graph_us = comm
+            .graph_time(
+                row.algo,
+                View::new(&data, 0, row.count, row.dtype),
+                row.iters.max(20),
+            )?
+            .map(|t| t.as_secs_f32() * 1e6);
         // Checked calls, untimed: fresh inputs every call (a stale result cannot pass), every
         // element compared with the exact reference.
         let mut wrong = 0u64;
@@ -118,6 +129,7 @@ pub fn run<D: Device>(
             resolved: comm.resolve(row.algo, bytes),
             times_us: times,
             wrong,
+            graph_us,
         };
         conn.send(
             &Msg::Report {

@@ -83,12 +83,18 @@ impl<D: Device> Communicator<D> {
             has_fd: export.fd.is_some(),
         };
         let fds: Vec<_> = export.fd.iter().map(std::os::fd::AsFd::as_fd).collect();
+        // GPU ranks see their device as ordinal 0 (CUDA_VISIBLE_DEVICES); name the physical
+        // device the coordinator assigned instead.
+        let ordinal = std::env::var("TPRUN_DEVICE")
+            .ok()
+            .and_then(|d| d.parse().ok())
+            .unwrap_or(info.ordinal);
         conn.send(
             &Msg::Export {
                 device: if info.name == info.backend {
-                    format!("{}:{}", info.backend, info.ordinal)
+                    format!("{}:{ordinal}", info.backend)
                 } else {
-                    format!("{}:{} ({})", info.backend, info.ordinal, info.name)
+                    format!("{}:{ordinal} ({})", info.backend, info.name)
                 },
                 device_uuid: info.uuid.clone(),
                 items: vec![item],
@@ -233,6 +239,46 @@ impl<D: Device> Communicator<D> {
         }
         self.control.beat(self.rank);
         Ok(())
+    }
+
+    /// Captures one `algo` allreduce of `data` into a device graph and replays it `replays`
+    /// times back to back; the time per replay, or `None` where the algorithm (`host`: it
+    /// waits on the host) or the backend (CPU) cannot be captured. Every rank must call it
+    /// with the same arguments: each replay is a collective call.
+    pub fn graph_time(
+        &mut self,
+        algo: Algo,
+        data: View<'_, D::Buf>,
+        replays: u32,
+    ) -> Result<Option<Duration>, RankError> {
+        let algo = match self.resolve(algo, data.bytes()) {
+            Algo::Oneshot => CommAlgo::Oneshot,
+            Algo::Twoshot => CommAlgo::Twoshot,
+            _ => return Ok(None),
+        };
+        let refs: Vec<&D::Buf> = self.bufs.iter().collect();
+        let args = AllreduceArgs {
+            algo,
+            rank: self.rank,
+            world: self.world,
+            // Ignored while capturing: a replayed kernel takes its epoch from the device-side
+            // counter, which every replay advances.
+            epoch: self.epoch.wrapping_add(1),
+            data,
+            comm: &refs,
+            layout: self.layout,
+            timeout: self.timeout,
+            abort: Some(self.control.abort_word()),
+        };
+        let t = self.dev.time_graph(replays, &mut || {
+            self.dev.run(&Op::Allreduce(AllreduceArgs { ..args }))
+        })?;
+        if t.is_some() {
+            // The device counter moved once per replay; the host's count follows it.
+            self.epoch = self.epoch.wrapping_add(replays);
+        }
+        self.control.beat(self.rank);
+        Ok(t)
     }
 }
 

@@ -122,6 +122,9 @@ pub enum Report {
         resolved: Algo,
         times_us: Vec<f32>,
         wrong: u64,
+        /// Per-call time of the same allreduce replayed from a device graph (GPU backends,
+        /// capturable algorithms), µs.
+        graph_us: Option<f32>,
     },
     /// Rank 0 loaded its shard (seconds).
     Loaded { seconds: f64 },

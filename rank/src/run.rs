@@ -7,10 +7,11 @@ use std::time::Duration;
 
 use tprun_ipc::{Conn, ControlBlock, Msg, Phase};
 use tprun_kernels::cpu::CpuDevice;
+use tprun_kernels::cuda;
 use tprun_kernels::Device;
 
 use crate::comm::Communicator;
-use crate::job::{self, Backend, JobSpec, Task};
+use crate::job::{self, Backend, IpcMode, JobSpec, Task};
 use crate::RankError;
 
 /// How long a rank waits for the coordinator's answer to `Hello`.
@@ -111,10 +112,26 @@ pub fn run(opts: RankOptions) -> Result<(), RankError> {
             let dev = CpuDevice::new(opts.device, spec.threads, spin);
             run_task(&ctx, &conn, Arc::new(dev), &spec, spin)
         }
-        b => Err(RankError::Other(format!(
-            "backend '{}' is not available in this build",
-            b.name()
-        ))),
+        Backend::Cuda => {
+            let mode = match spec.ipc {
+                IpcMode::Auto => cuda::IpcMode::Auto,
+                IpcMode::Fd => cuda::IpcMode::Fd,
+                IpcMode::Legacy => cuda::IpcMode::Legacy,
+            };
+            let spin = if spec.oversubscribed {
+                SPIN_OVERSUBSCRIBED
+            } else {
+                SPIN_DEDICATED
+            };
+            // CUDA_VISIBLE_DEVICES (set by the coordinator) makes our device ordinal 0.
+            match cuda::CudaDevice::new(0, mode) {
+                Ok(dev) => run_task(&ctx, &conn, Arc::new(dev), &spec, spin),
+                Err(e) => Err(e.into()),
+            }
+        }
+        Backend::Hip => Err(RankError::Other(
+            "backend 'hip' has no runtime layer in this build yet".into(),
+        )),
     };
     match &result {
         Ok(()) => {

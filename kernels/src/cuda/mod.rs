@@ -390,4 +390,66 @@ impl Device for CudaDevice {
             .map_err(driver_err("cuEventElapsedTime"))?;
         Ok(Duration::from_secs_f64(f64::from(ms) / 1e3))
     }
+
+    fn time_graph(
+        &self,
+        replays: u32,
+        f: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<Option<Duration>> {
+        self.sync()?;
+        let st = self.stream.cu_stream();
+        // SAFETY: our live stream. Relaxed mode: other threads of this process (the output
+        // forwarders, nothing on the GPU) may make driver calls meanwhile.
+        unsafe {
+            dr::stream::begin_capture(st, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        }
+        .map_err(driver_err("cuStreamBeginCapture"))?;
+        let queued = f();
+        // SAFETY: capture was begun above on this stream; end it even if `f` failed.
+        let graph =
+            unsafe { dr::stream::end_capture(st) }.map_err(driver_err("cuStreamEndCapture"));
+        queued?;
+        let graph = graph?;
+        // SAFETY: `graph` is the complete graph captured above.
+        let exec = match unsafe { dr::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }
+        {
+            Ok(e) => e,
+            Err(e) => {
+                // SAFETY: created above, destroyed once.
+                let _ = unsafe { dr::graph::destroy(graph) };
+                return Err(driver_err("cuGraphInstantiate")(e));
+            }
+        };
+        let timed = (|| {
+            let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let start = self
+                .stream
+                .record_event(flags)
+                .map_err(driver_err("cuEventRecord"))?;
+            for _ in 0..replays {
+                // SAFETY: instantiated above; every buffer it uses outlives the sync below.
+                unsafe { dr::graph::launch(exec, st) }.map_err(driver_err("cuGraphLaunch"))?;
+            }
+            let end = self
+                .stream
+                .record_event(flags)
+                .map_err(driver_err("cuEventRecord"))?;
+            self.sync()?;
+            let ms = start
+                .elapsed_ms(&end)
+                .map_err(driver_err("cuEventElapsedTime"))?;
+            Ok(Duration::from_secs_f64(
+                f64::from(ms) / 1e3 / f64::from(replays.max(1)),
+            ))
+        })();
+        // Drain whatever is still queued before the graph goes away (an error above may have
+        // left launches pending).
+        let _ = self.stream.synchronize();
+        // SAFETY: no launch of them is pending (synchronised above); each destroyed once.
+        unsafe {
+            let _ = dr::graph::exec_destroy(exec);
+            let _ = dr::graph::destroy(graph);
+        }
+        timed.map(Some)
+    }
 }

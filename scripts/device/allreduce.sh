@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The whole GPU allreduce check and benchmark, one command on a GPU machine:
+#   tprun info; tprun selftest; tprun bench allreduce --check for every algorithm and dtype,
+#   1 element to 64 MiB, with --ipc fd and --ipc legacy; the device-copy ceiling for ratios.
+# With fewer GPUs than ranks, ranks share GPU 0 and the CUDA MPS daemon is started (without it
+# the ranks' contexts time-slice and every cross-rank wait costs milliseconds) and stopped after.
+#
+#   scripts/device/allreduce.sh [TPRUN_BINARY] [RANKS]      (default target/release/tprun, 4)
+#
+# Tables and logs go to $OUT (default /tmp/tprun-allreduce); the summary is printed last.
+set -uo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+bin="$(realpath "${1:-$root/target/release/tprun}")"
+ranks="${2:-4}"
+OUT="${OUT:-/tmp/tprun-allreduce}"
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0            # never NVLink multicast on shared machines
+export TPRUN_KERNEL_CACHE="${TPRUN_KERNEL_CACHE:-/tmp/tprun-kernel-cache}"
+
+# NVRTC: the loader looks for libnvrtc.so; CUDA 13 ships libnvrtc.so.13 (libnvrtc.so only in
+# the -dev package). Link whichever exists into a private folder.
+nvrtc="$(ls /usr/local/cuda/lib64/libnvrtc.so.1[0-9]* /usr/local/cuda/targets/x86_64-linux/lib/libnvrtc.so.1[0-9]* 2>/dev/null | grep -v builtins | head -1)"
+[ -n "$nvrtc" ] || nvrtc="$(find / -name 'libnvrtc.so.1[0-9]*' -not -path '/proc/*' 2>/dev/null | grep -v builtins | head -1)"
+mkdir -p /tmp/tprun-nvrtc && ln -sf "$nvrtc" /tmp/tprun-nvrtc/libnvrtc.so
+export LD_LIBRARY_PATH="/tmp/tprun-nvrtc:$(dirname "$nvrtc"):${LD_LIBRARY_PATH:-}"
+
+ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+if [ "$ngpu" -ge "$ranks" ]; then
+    devices=$(seq -s, 0 $((ranks - 1)))
+else
+    devices=$(printf '0%.0s,' $(seq "$ranks")); devices=${devices%,}
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/tprun-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/tprun-mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d && echo "MPS daemon started (ranks share GPU 0)"
+    trap 'echo quit | nvidia-cuda-mps-control; echo "MPS daemon stopped"' EXIT
+fi
+t="$bin --ranks $ranks --devices $devices --backend cuda --timeout 30"
+status=0
+run() { # name, seconds, command...
+    local name=$1 secs=$2; shift 2
+    echo "== $name: $*"
+    timeout "$secs" "$@" > "$OUT/$name.txt" 2> "$OUT/$name.err"
+    local rc=$?
+    [ $rc -eq 0 ] || { status=1; echo "   rc=$rc"; tail -5 "$OUT/$name.err"; }
+    return 0
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+run info 30 "$bin" info
+cat "$OUT/info.txt"
+run selftest 240 $t selftest
+tail -3 "$OUT/selftest.txt"
+for ipc in fd legacy; do
+    run "odd-$ipc" 120 $t --ipc "$ipc" bench allreduce --algo all --dtype all --counts 1,7,1001,65537 --check
+    run "bench-$ipc" 300 $t --ipc "$ipc" bench allreduce --algo all --dtype all --sizes 8:64M --check
+done
+python3 - > "$OUT/copy.txt" <<'PY'
+import torch
+x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
+for _ in range(3): y.copy_(x)
+s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+s.record()
+for _ in range(10): y.copy_(x)
+e.record(); torch.cuda.synchronize()
+t = s.elapsed_time(e) / 10 / 1e3
+print(f"device copy 1 GiB: {t*1e6:.1f} us = {2 * (1 << 30) / t / 1e12:.2f} TB/s (read + write)")
+PY
+cat "$OUT/copy.txt"
+
+echo "== summary"
+for f in "$OUT"/odd-*.txt "$OUT"/bench-*.txt; do
+    [ -s "$f" ] && echo "$(basename "$f"): $(grep -c '^ *[0-9]' "$f") rows, $(grep 'Out of bounds' "$f")"
+done
+for ipc in fd legacy; do
+    f="$OUT/bench-$ipc.txt"; [ -s "$f" ] || continue
+    echo "-- $ipc: 16 KiB rows (time us, graph us) and 64 MiB rows"
+    awk '$1==16384 || $1==67108864 {print "  ", $1, $3, $4, "time", $5, "graph", $10, "busbw", $8}' "$f"
+done
+echo "overall status $status"
+exit $status
