@@ -52,8 +52,9 @@ pub struct Communicator<D: Device> {
     /// Every rank's communication buffer; ours at index `rank`.
     bufs: Vec<D::Buf>,
     layout: CommLayout,
-    /// Calls so far; the next call uses `epoch + 1`. Identical on every rank because every rank
-    /// makes the same calls in the same order.
+    /// Flag-based (oneshot/twoshot) calls so far, replays of captured graphs included; the
+    /// next such call uses `epoch + 1`. Identical on every rank because every rank makes the
+    /// same calls in the same order.
     epoch: u32,
     timeout: Duration,
     spin: u32,
@@ -190,12 +191,14 @@ impl<D: Device> Communicator<D> {
                 self.layout.data_bytes
             )));
         }
-        self.epoch = self.epoch.wrapping_add(1);
-        let epoch = self.epoch;
         let refs: Vec<&D::Buf> = self.bufs.iter().collect();
         match self.resolve(algo, data.bytes()) {
             Algo::Host => {
-                let slot = self.layout.slot_offset(epoch);
+                // Any slot will do: the closing barrier keeps everyone out of the next call
+                // until every rank has read this one. The epoch is not advanced: it counts
+                // the device-side (flag) calls only, which GPU backends check against their
+                // own counter.
+                let slot = self.layout.slot_offset(self.epoch);
                 let mine = View::new(refs[self.rank], slot, data.len, data.dtype);
                 self.dev.run(&Op::Copy {
                     src: data,
@@ -218,6 +221,8 @@ impl<D: Device> Communicator<D> {
                 self.barrier()?;
             }
             a @ (Algo::Oneshot | Algo::Twoshot) => {
+                self.epoch = self.epoch.wrapping_add(1);
+                let epoch = self.epoch;
                 let algo = if a == Algo::Oneshot {
                     CommAlgo::Oneshot
                 } else {

@@ -39,9 +39,9 @@ status=0
 run() { # name, seconds, command...
     local name=$1 secs=$2; shift 2
     echo "== $name: $*"
-    timeout "$secs" "$@" > "$OUT/$name.txt" 2> "$OUT/$name.err"
+    timeout "$secs" "$@" > "$OUT/$name.txt" 2>&1
     local rc=$?
-    [ $rc -eq 0 ] || { status=1; echo "   rc=$rc"; tail -5 "$OUT/$name.err"; }
+    [ $rc -eq 0 ] || { status=1; echo "   rc=$rc"; grep -v '^\[rank' "$OUT/$name.txt" | grep -E 'error|warning' | tail -5; }
     return 0
 }
 
