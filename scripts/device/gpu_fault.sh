@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Fault check on a GPU machine: SIGKILL one rank during a CUDA allreduce loop; the job must exit
+# 3 within 5 s naming the rank, and no tprun process may be left on the GPU.
+#   scripts/device/gpu_fault.sh [TPRUN_BINARY] [RANKS]
+set -uo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+bin="$(realpath "${1:-$root/target/release/tprun}")"
+ranks="${2:-4}"
+nvrtc="$(ls /usr/local/cuda/lib64/libnvrtc.so.1[0-9]* /usr/local/cuda/targets/x86_64-linux/lib/libnvrtc.so.1[0-9]* 2>/dev/null | grep -v builtins | head -1)"
+mkdir -p /tmp/tprun-nvrtc && ln -sf "$nvrtc" /tmp/tprun-nvrtc/libnvrtc.so
+export LD_LIBRARY_PATH="/tmp/tprun-nvrtc:$(dirname "$nvrtc"):${LD_LIBRARY_PATH:-}"
+ngpu=$(nvidia-smi -L | wc -l)
+if [ "$ngpu" -ge "$ranks" ]; then devices=$(seq -s, 0 $((ranks - 1))); else
+    devices=$(printf '0%.0s,' $(seq "$ranks")); devices=${devices%,}
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/tprun-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/tprun-mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+fi
+status=0
+for victim in 2 0; do
+    log=$(mktemp)
+    "$bin" --ranks "$ranks" --devices "$devices" --backend cuda --timeout 30 bench allreduce \
+        --sizes 64K --algo oneshot --iters 100000000 --warmup 0 > "$log" 2>&1 &
+    coord=$!
+    sleep 6
+    pid=$(pgrep -P "$coord" -f -- "--rank $victim( |$)" | head -1)
+    all=$(pgrep -P "$coord" | tr '\n' ' ')
+    echo "== victim rank $victim pid $pid (ranks: $all)"
+    t0=$(date +%s%N)
+    kill -9 "$pid"
+    wait "$coord"; rc=$?
+    t1=$(date +%s%N)
+    ms=$(( (t1 - t0) / 1000000 ))
+    grep '^error' "$log"
+    sleep 1
+    left=$(for p in $all; do [ -d /proc/$p ] && ! grep -q '^State:.*Z' /proc/$p/status 2>/dev/null && echo $p; done | tr '\n' ' ')
+    apps=$(nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader | grep -c tprun)
+    echo "exit $rc after ${ms} ms; ranks still alive: [${left}]; tprun processes on the GPU: $apps"
+    if [ "$rc" -ne 3 ] || [ "$ms" -gt 5000 ] || [ -n "$left" ] || [ "$apps" -ne 0 ] || ! grep -q "rank $victim (pid" "$log"; then
+        status=1; echo "FAILED"; tail -20 "$log"
+    else
+        echo "ok"
+    fi
+    rm -f "$log"
+done
+exit $status
