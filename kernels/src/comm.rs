@@ -100,6 +100,33 @@ pub struct AllreduceArgs<'a, B> {
     pub abort: Option<&'a AtomicU32>,
 }
 
+impl<B> AllreduceArgs<'_, B> {
+    /// The checks every backend makes before touching memory: a rank inside a world the
+    /// layout has room for, one buffer per rank, a message that fits a data slot.
+    pub fn validate(&self) -> crate::Result<()> {
+        if self.world == 0
+            || self.world > MAX_WORLD
+            || self.rank >= self.world
+            || self.comm.len() != self.world
+        {
+            return Err(crate::KernelError::Invalid(format!(
+                "allreduce: rank {} of world {} with {} comm buffers",
+                self.rank,
+                self.world,
+                self.comm.len()
+            )));
+        }
+        let bytes = self.data.bytes();
+        if bytes > self.layout.data_bytes {
+            return Err(crate::KernelError::Invalid(format!(
+                "allreduce of {bytes} bytes exceeds the {}-byte communication buffer",
+                self.layout.data_bytes
+            )));
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

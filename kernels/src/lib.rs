@@ -15,6 +15,7 @@ pub mod cuda;
 pub mod device;
 pub mod dtype;
 pub mod error;
+pub mod rng;
 
 pub use comm::{AllreduceArgs, CommAlgo, CommLayout};
 pub use device::{Device, DeviceInfo, Export, ExportMeta, Op, View};

@@ -13,7 +13,7 @@ use std::time::Instant;
 use super::reduce::{sum_range, SendPtr};
 use super::wait::{reached, wait_until, wake_all, WaitError};
 use super::{par_ranges, CpuBuf, CpuDevice};
-use crate::comm::{shard_range, AllreduceArgs, CommAlgo, CommLayout, MAX_WORLD};
+use crate::comm::{shard_range, AllreduceArgs, CommAlgo, CommLayout};
 use crate::{with_dtype, KernelError, Result};
 
 const MIN_PER_THREAD: usize = 1 << 16;
@@ -71,21 +71,7 @@ fn wait_all(
 }
 
 pub(crate) fn allreduce(dev: &CpuDevice, a: &AllreduceArgs<'_, CpuBuf>) -> Result<()> {
-    if a.world == 0 || a.world > MAX_WORLD || a.rank >= a.world || a.comm.len() != a.world {
-        return Err(KernelError::Invalid(format!(
-            "allreduce: rank {} of world {} with {} comm buffers",
-            a.rank,
-            a.world,
-            a.comm.len()
-        )));
-    }
-    let bytes = a.data.bytes();
-    if bytes > a.layout.data_bytes {
-        return Err(KernelError::Invalid(format!(
-            "allreduce of {bytes} bytes exceeds the {}-byte communication buffer",
-            a.layout.data_bytes
-        )));
-    }
+    a.validate()?;
     for b in a.comm {
         b.check(0, a.layout.total_bytes())?;
     }

@@ -331,21 +331,8 @@ impl Launcher<'_> {
     }
 
     pub(crate) fn allreduce(&self, a: &AllreduceArgs<'_, CudaBuf>) -> Result<()> {
-        if a.world == 0 || a.world > MAX_WORLD || a.rank >= a.world || a.comm.len() != a.world {
-            return Err(KernelError::Invalid(format!(
-                "allreduce: rank {} of world {} with {} comm buffers",
-                a.rank,
-                a.world,
-                a.comm.len()
-            )));
-        }
+        a.validate()?;
         let bytes = a.data.bytes();
-        if bytes > a.layout.data_bytes {
-            return Err(KernelError::Invalid(format!(
-                "allreduce of {bytes} bytes exceeds the {}-byte communication buffer",
-                a.layout.data_bytes
-            )));
-        }
         // `a.abort` is not looked at: it is host memory (the control block) that a kernel
         // cannot read without registering it; device waits are bounded by `a.timeout`
         // instead, and the caller checks the abort word after `sync`.

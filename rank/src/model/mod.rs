@@ -20,13 +20,15 @@ pub mod error;
 pub mod forward;
 pub mod generate;
 pub mod local;
-pub mod rng;
 pub mod safetensors;
 pub mod sample;
 pub mod shard;
 pub mod synth;
 pub mod tokenizer;
 pub mod weights;
+
+/// The seeded generator of the sampler and `synth` (shared with the op tests).
+pub use tprun_kernels::rng;
 
 #[cfg(test)]
 mod tests;

@@ -146,7 +146,7 @@ mod tests {
     #[test]
     fn attention_matches_f64_causal_gqa() {
         let dev = CpuDevice::new(0, 2, 10);
-        let mut rng = Rng(5);
+        let mut rng = Rng::new(5);
         for dtype in DType::ALL {
             for (rows, heads, kvh, hd, pos0) in [
                 (1usize, 2usize, 1usize, 8usize, 0usize),
@@ -155,15 +155,19 @@ mod tests {
                 (5, 6, 3, 8, 9),
             ] {
                 let seq = pos0 + rows;
-                let q: Vec<f32> = rng.vec(rows * heads * hd).iter().map(|x| x * 2.0).collect();
+                let q: Vec<f32> = rng
+                    .vec_sym(rows * heads * hd)
+                    .iter()
+                    .map(|x| x * 2.0)
+                    .collect();
                 let k = rounded(
                     dtype,
-                    &rng.vec(seq * kvh * hd)
+                    &rng.vec_sym(seq * kvh * hd)
                         .iter()
                         .map(|x| x * 2.0)
                         .collect::<Vec<_>>(),
                 );
-                let v = rounded(dtype, &rng.vec(seq * kvh * hd));
+                let v = rounded(dtype, &rng.vec_sym(seq * kvh * hd));
                 let want = reference(&q, &k, &v, rows, heads, kvh, hd, pos0);
                 let (bq, bk, bv) = (
                     upload(&dev, DType::F32, &q),

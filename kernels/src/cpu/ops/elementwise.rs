@@ -87,10 +87,10 @@ mod tests {
     #[test]
     fn add_and_silu_mul_match_f64() {
         let dev = CpuDevice::new(0, 2, 10);
-        let mut rng = Rng(1);
+        let mut rng = Rng::new(1);
         for n in [1usize, 17, 300_000] {
-            let a = rng.vec(n).iter().map(|x| x * 8.0).collect::<Vec<_>>();
-            let b = rng.vec(n);
+            let a = rng.vec_sym(n).iter().map(|x| x * 8.0).collect::<Vec<_>>();
+            let b = rng.vec_sym(n);
             let (ba, bb) = (upload(&dev, DType::F32, &a), upload(&dev, DType::F32, &b));
             let out = dev.alloc(n * 4).unwrap();
             let va = View::new(&ba, 0, n, DType::F32);

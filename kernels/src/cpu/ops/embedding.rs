@@ -55,13 +55,13 @@ mod tests {
     #[test]
     fn shards_sum_to_the_full_lookup() {
         let dev = CpuDevice::new(0, 2, 10);
-        let mut rng = Rng(2);
+        let mut rng = Rng::new(2);
         let (vocab, hidden) = (37, 24);
         let ids: Vec<u32> = (0..50)
             .map(|_| (rng.next_u64() % vocab as u64) as u32)
             .collect();
         for dtype in DType::ALL {
-            let table = rounded(dtype, &rng.vec(vocab * hidden));
+            let table = rounded(dtype, &rng.vec_sym(vocab * hidden));
             let mut sum = vec![0f64; ids.len() * hidden];
             for world in [1usize, 3] {
                 sum.iter_mut().for_each(|s| *s = 0.0);

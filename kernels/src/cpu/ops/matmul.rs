@@ -182,7 +182,7 @@ mod tests {
 
     #[test]
     fn matmul_matches_f64_for_every_weight_dtype() {
-        let mut rng = Rng(6);
+        let mut rng = Rng::new(6);
         for threads in [1usize, 2] {
             let dev = CpuDevice::new(0, threads, 10);
             for dtype in DType::ALL {
@@ -192,9 +192,9 @@ mod tests {
                     (9, 100, 300, true),
                     (3, 1024, 513, false),
                 ] {
-                    let x = rng.vec(m * k);
-                    let w = rounded(dtype, &rng.vec(n * k));
-                    let bias = rng.vec(n);
+                    let x = rng.vec_sym(m * k);
+                    let w = rounded(dtype, &rng.vec_sym(n * k));
+                    let bias = rng.vec_sym(n);
                     let want: Vec<f64> = (0..m)
                         .flat_map(|i| {
                             let (x, w, bias) = (&x, &w, &bias);
@@ -243,11 +243,11 @@ mod consistency {
     #[test]
     fn batched_single_and_avx2_paths_agree_bitwise() {
         let dev = CpuDevice::new(0, 1, 10);
-        let mut rng = Rng(11);
+        let mut rng = Rng::new(11);
         let (m, k, n) = (7usize, 203usize, 9usize);
         for dtype in DType::ALL {
-            let x = rng.vec(m * k);
-            let w = upload(&dev, dtype, &rng.vec(n * k));
+            let x = rng.vec_sym(m * k);
+            let w = upload(&dev, dtype, &rng.vec_sym(n * k));
             let bx = upload(&dev, DType::F32, &x);
             let by = dev.alloc(m * n * 4).unwrap();
             let run = |xo: usize, yo: usize, mm: usize| {
@@ -310,13 +310,13 @@ mod bench {
     #[ignore]
     fn matvec_speed() {
         let (k, n) = (4096usize, 4096usize);
-        let mut rng = Rng(9);
-        let x = rng.vec(k);
+        let mut rng = Rng::new(9);
+        let x = rng.vec_sym(k);
         for threads in [1usize, 2] {
             let dev = CpuDevice::new(0, threads, 10);
             for dtype in DType::ALL {
                 for m in [1usize, 16] {
-                    let w = upload(&dev, dtype, &rng.vec(n * k));
+                    let w = upload(&dev, dtype, &rng.vec_sym(n * k));
                     let xs: Vec<f32> = (0..m).flat_map(|_| x.clone()).collect();
                     let bx = upload(&dev, DType::F32, &xs);
                     let by = dev.alloc(m * n * 4).unwrap();

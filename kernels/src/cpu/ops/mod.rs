@@ -139,24 +139,7 @@ pub(crate) mod testutil {
     use crate::dtype::{decode, encode};
     use crate::{DType, Device};
 
-    /// SplitMix64 (Steele, Lea, Flood 2014): a tiny seeded generator, good enough for test data.
-    pub struct Rng(pub u64);
-    impl Rng {
-        pub fn next_u64(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        }
-        /// Uniform in [-1, 1).
-        pub fn f32(&mut self) -> f32 {
-            ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        }
-        pub fn vec(&mut self, n: usize) -> Vec<f32> {
-            (0..n).map(|_| self.f32()).collect()
-        }
-    }
+    pub use crate::rng::Rng;
 
     /// The values as `dtype` would store them (what a reference must use).
     pub fn rounded(dtype: DType, v: &[f32]) -> Vec<f32> {

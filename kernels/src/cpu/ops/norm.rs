@@ -62,11 +62,11 @@ mod tests {
     #[test]
     fn rms_norm_matches_f64_in_place_and_out_of_place() {
         let dev = CpuDevice::new(0, 2, 10);
-        let mut rng = Rng(3);
+        let mut rng = Rng::new(3);
         for dtype in DType::ALL {
             for (rows, dim) in [(1usize, 64usize), (7, 8), (300, 100)] {
-                let x: Vec<f32> = rng.vec(rows * dim).iter().map(|v| v * 3.0).collect();
-                let w = rounded(dtype, &rng.vec(dim));
+                let x: Vec<f32> = rng.vec_sym(rows * dim).iter().map(|v| v * 3.0).collect();
+                let w = rounded(dtype, &rng.vec_sym(dim));
                 let eps = 1e-5f32;
                 let want: Vec<f64> = (0..rows)
                     .flat_map(|r| {

@@ -72,13 +72,13 @@ mod tests {
     #[test]
     fn rope_matches_f64_rotate_halves() {
         let dev = CpuDevice::new(0, 2, 10);
-        let mut rng = Rng(4);
+        let mut rng = Rng::new(4);
         for (rows, heads, hd, pos0) in [
             (1usize, 1usize, 2usize, 0usize),
             (5, 3, 8, 7),
             (40, 4, 64, 1000),
         ] {
-            let x = rng.vec(rows * heads * hd);
+            let x = rng.vec_sym(rows * heads * hd);
             let inv: Vec<f32> = (0..hd / 2)
                 .map(|i| (1.0 / 10000f64.powf(2.0 * i as f64 / hd as f64)) as f32)
                 .collect();

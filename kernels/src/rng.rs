@@ -1,7 +1,7 @@
 //! A small seeded random number generator (SplitMix64, Steele, Lea & Flood, "Fast splittable
 //! pseudorandom number generators", OOPSLA 2014). Used by the sampler, where every rank must
-//! draw the same numbers from the same seed, and by `synth` for reproducible weights. Not for
-//! anything that needs unpredictability.
+//! draw the same numbers from the same seed, by `synth` for reproducible weights, and by the
+//! op tests for their random inputs. Not for anything that needs unpredictability.
 
 #[derive(Clone, Debug)]
 pub struct Rng(u64);
@@ -28,6 +28,11 @@ impl Rng {
     /// Uniform in [-1, 1), 24 random bits.
     pub fn f32_sym(&mut self) -> f32 {
         ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    /// `n` values uniform in [-1, 1).
+    pub fn vec_sym(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.f32_sym()).collect()
     }
 }
 
