@@ -10,27 +10,10 @@ iteration, then the median and p99 over iterations. busbw = algbw * 2(n-1)/n.
 """
 import argparse
 import os
-import statistics
 import sys
-import tempfile
+
+from benchtable import parse_sizes, print_table, row, run_ranks
 import time
-
-
-def parse_bytes(s):
-    s = s.strip()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:].upper(), 1)
-    return int(s[:-1] if mult > 1 else s) * mult
-
-
-def parse_sizes(s):
-    if ":" in s:
-        lo, hi = (parse_bytes(x) for x in s.split(":"))
-        out = []
-        while lo <= hi:
-            out.append(lo)
-            lo *= 2
-        return out
-    return [parse_bytes(x) for x in s.split(",")]
 
 
 def default_iters(nbytes):
@@ -73,13 +56,9 @@ def worker(rank, world, args, init_file, q):
         everyone = [None] * world
         dist.all_gather_object(everyone, (times, wrong))
         if rank == 0:
-            per_iter = sorted(max(ts[k] for ts, _ in everyone) for k in range(len(times)))
-            med = statistics.median(per_iter)
-            p99 = per_iter[round((len(per_iter) - 1) * 0.99)]
-            algbw = count * esize / (med * 1e-6) / 1e9
-            busbw = algbw * 2 * (world - 1) / world
-            rows.append((count * esize, count, args.dtype, "gloo", med, p99, algbw, busbw,
-                         sum(w for _, w in everyone)))
+            per_iter = [max(ts[k] for ts, _ in everyone) for k in range(len(times))]
+            rows.append(row(count * esize, count, args.dtype, "gloo", per_iter, world,
+                            sum(w for _, w in everyone)))
     if rank == 0:
         q.put(rows)
     dist.destroy_process_group()
@@ -95,26 +74,11 @@ def main():
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args()
     try:
-        import torch.multiprocessing as mp
+        import torch  # noqa: F401
     except ImportError:
         sys.exit("error: this benchmark needs PyTorch (pip install torch)")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as d:
-        init_file = os.path.join(d, "init")
-        procs = [ctx.Process(target=worker, args=(r, args.ranks, args, init_file, q))
-                 for r in range(args.ranks)]
-        for p in procs:
-            p.start()
-        rows = q.get()
-        for p in procs:
-            p.join()
-    print(f"# gloo allreduce: {args.ranks} process(es), torch.distributed, in place")
-    print(f"{'size(B)':>12} {'count':>12} {'type':>5} {'algo':>13} {'time(us)':>10} {'p99(us)':>10}"
-          f" {'algbw':>9} {'busbw':>9} {'#wrong':>7}")
-    for r in rows:
-        print(f"{r[0]:>12} {r[1]:>12} {r[2]:>5} {r[3]:>13} {r[4]:>10.2f} {r[5]:>10.2f}"
-              f" {r[6]:>9.3f} {r[7]:>9.3f} {r[8]:>7}")
+    rows = run_ranks(worker, args.ranks, args)
+    print_table(f"# gloo allreduce: {args.ranks} process(es), torch.distributed, in place", rows)
 
 
 if __name__ == "__main__":

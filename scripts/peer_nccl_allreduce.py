@@ -10,28 +10,11 @@ per-call time, slowest rank. busbw = algbw * 2(n-1)/n. NVLink multicast (NVLS) s
 """
 import argparse
 import os
-import statistics
 import sys
-import tempfile
+
+from benchtable import parse_sizes, print_table, row, run_ranks
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-
-
-def parse_bytes(s):
-    s = s.strip()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:].upper(), 1)
-    return int(s[:-1] if mult > 1 else s) * mult
-
-
-def parse_sizes(s):
-    if ":" in s:
-        lo, hi = (parse_bytes(x) for x in s.split(":"))
-        out = []
-        while lo <= hi:
-            out.append(lo)
-            lo *= 2
-        return out
-    return [parse_bytes(x) for x in s.split(",")]
 
 
 def worker(rank, world, args, init_file, q):
@@ -80,13 +63,9 @@ def worker(rank, world, args, init_file, q):
         everyone = [None] * world
         dist.all_gather_object(everyone, (times, wrong))
         if rank == 0:
-            per = sorted(max(ts[k] for ts, _ in everyone) for k in range(len(times)))
-            med = statistics.median(per)
-            p99 = per[round((len(per) - 1) * 0.99)]
-            algbw = count * esize / (med * 1e-6) / 1e9
-            busbw = algbw * 2 * (world - 1) / world
-            rows.append((count * esize, count, args.dtype, "nccl", med, p99, algbw, busbw,
-                         sum(w for _, w in everyone)))
+            per = [max(ts[k] for ts, _ in everyone) for k in range(len(times))]
+            rows.append(row(count * esize, count, args.dtype, "nccl", per, world,
+                            sum(w for _, w in everyone)))
         del g
     if rank == 0:
         q.put(rows)
@@ -102,29 +81,13 @@ def main():
     args = ap.parse_args()
     try:
         import torch
-        import torch.multiprocessing as mp
     except ImportError:
         sys.exit("error: this benchmark needs PyTorch with CUDA")
     if torch.cuda.device_count() < args.ranks:
         sys.exit(f"error: NCCL needs one GPU per rank: {args.ranks} ranks, "
                  f"{torch.cuda.device_count()} GPU(s)")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as d:
-        init_file = os.path.join(d, "init")
-        procs = [ctx.Process(target=worker, args=(r, args.ranks, args, init_file, q))
-                 for r in range(args.ranks)]
-        for p in procs:
-            p.start()
-        rows = q.get()
-        for p in procs:
-            p.join()
-    print(f"# nccl allreduce: {args.ranks} process(es), torch.distributed, CUDA-graph replay, in place")
-    print(f"{'size(B)':>12} {'count':>12} {'type':>5} {'algo':>13} {'time(us)':>10} {'p99(us)':>10}"
-          f" {'algbw':>9} {'busbw':>9} {'#wrong':>7}")
-    for r in rows:
-        print(f"{r[0]:>12} {r[1]:>12} {r[2]:>5} {r[3]:>13} {r[4]:>10.2f} {r[5]:>10.2f}"
-              f" {r[6]:>9.3f} {r[7]:>9.3f} {r[8]:>7}")
+    rows = run_ranks(worker, args.ranks, args)
+    print_table(f"# nccl allreduce: {args.ranks} process(es), torch.distributed, CUDA-graph replay, in place", rows)
 
 
 if __name__ == "__main__":
