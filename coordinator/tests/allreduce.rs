@@ -117,15 +117,26 @@ fn table_has_nccl_tests_columns() {
     assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
     for col in [
-        "size(B)", "count", "type", "algo", "time(us)", "p99(us)", "algbw", "busbw", "#wrong",
+        "size(B)",
+        "count",
+        "type",
+        "algo",
+        "time(us)",
+        "p99(us)",
+        "algbw",
+        "busbw",
+        "#wrong",
+        "graph(us)",
     ] {
         assert!(out.contains(col), "missing column {col}:\n{out}");
     }
-    // 8, 16, 32, 64 bytes of f32.
-    let rows: Vec<&str> = out
+    // 8, 16, 32, 64 bytes of f32; #wrong (9th column) is 0; no graph replay on the CPU ("-").
+    let rows: Vec<Vec<&str>> = out
         .lines()
-        .filter(|l| l.trim_end().ends_with(" 0") && l.contains("oneshot"))
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .filter(|f| f.len() == 10 && f[3] == "oneshot")
         .collect();
     assert_eq!(rows.len(), 4, "{out}");
+    assert!(rows.iter().all(|f| f[8] == "0" && f[9] == "-"), "{out}");
     assert!(out.contains("Avg bus bandwidth"));
 }
