@@ -158,7 +158,7 @@ impl Collector {
                 self.printed_header = true;
                 let _ = writeln!(
                     o,
-                    "{:>12} {:>12} {:>5} {:>13} {:>10} {:>10} {:>9} {:>9} {:>7}",
+                    "{:>12} {:>12} {:>5} {:>13} {:>10} {:>10} {:>9} {:>9} {:>7} {:>10}",
                     "size(B)",
                     "count",
                     "type",
@@ -167,12 +167,13 @@ impl Collector {
                     "p99(us)",
                     "algbw",
                     "busbw",
-                    "#wrong"
+                    "#wrong",
+                    "graph(us)"
                 );
                 let _ = writeln!(
                     o,
-                    "{:>12} {:>12} {:>5} {:>13} {:>10} {:>10} {:>9} {:>9} {:>7}",
-                    "", "(elements)", "", "", "median", "", "(GB/s)", "(GB/s)", ""
+                    "{:>12} {:>12} {:>5} {:>13} {:>10} {:>10} {:>9} {:>9} {:>7} {:>10}",
+                    "", "(elements)", "", "", "median", "", "(GB/s)", "(GB/s)", "", "replay"
                 );
             }
             let algo = if row.algo == Algo::Auto {

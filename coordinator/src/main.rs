@@ -145,6 +145,13 @@ fn init_logging() {
 }
 
 fn main() -> ExitCode {
+    // Like any filter-friendly CLI: when stdout's reader goes away (`tprun ... | head`), die
+    // quietly by SIGPIPE instead of panicking in println!. Ranks die with us (PDEATHSIG), and
+    // our sockets send with MSG_NOSIGNAL, so only stdout/stderr writes are affected.
+    // SAFETY: restoring the default disposition of a signal before any thread exists.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     init_logging();
     let cli = Cli::parse();
     ExitCode::from(run(cli).clamp(0, 255) as u8)
