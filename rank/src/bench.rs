@@ -56,12 +56,7 @@ pub fn run<D: Device>(
     spec: &BenchSpec,
 ) -> Result<(), RankError> {
     let (rank, world) = (ctx.rank, ctx.world);
-    let max_bytes = spec
-        .rows
-        .iter()
-        .map(|r| r.count * r.dtype.size())
-        .max()
-        .unwrap_or(0);
+    let max_bytes = spec.max_bytes();
     let data = dev.alloc(max_bytes.max(1))?;
     ctx.enter(Phase::Allreduce);
     for (index, row) in spec.rows.iter().enumerate() {

@@ -101,6 +101,17 @@ pub struct BenchSpec {
     pub check: bool,
 }
 
+impl BenchSpec {
+    /// The largest message of any row, in bytes (sizes the communication buffers).
+    pub fn max_bytes(&self) -> usize {
+        self.rows
+            .iter()
+            .map(|r| r.count * r.dtype.size())
+            .max()
+            .unwrap_or(0)
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BenchRow {
     pub algo: Algo,

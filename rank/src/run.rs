@@ -162,12 +162,7 @@ fn run_task<D: Device>(
     let timeout = Duration::from_millis(spec.timeout_ms);
     match &spec.task {
         Task::Bench(b) => {
-            let max = b
-                .rows
-                .iter()
-                .map(|r| r.count * r.dtype.size())
-                .max()
-                .unwrap_or(0);
+            let max = b.max_bytes();
             let mut comm = Communicator::establish(
                 dev.clone(),
                 conn,

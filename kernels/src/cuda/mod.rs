@@ -420,28 +420,14 @@ impl Device for CudaDevice {
                 return Err(driver_err("cuGraphInstantiate")(e));
             }
         };
-        let timed = (|| {
-            let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-            let start = self
-                .stream
-                .record_event(flags)
-                .map_err(driver_err("cuEventRecord"))?;
+        let timed = self.time(&mut || {
             for _ in 0..replays {
-                // SAFETY: instantiated above; every buffer it uses outlives the sync below.
+                // SAFETY: instantiated above; every buffer it uses outlives the sync in `time`.
                 unsafe { dr::graph::launch(exec, st) }.map_err(driver_err("cuGraphLaunch"))?;
             }
-            let end = self
-                .stream
-                .record_event(flags)
-                .map_err(driver_err("cuEventRecord"))?;
-            self.sync()?;
-            let ms = start
-                .elapsed_ms(&end)
-                .map_err(driver_err("cuEventElapsedTime"))?;
-            Ok(Duration::from_secs_f64(
-                f64::from(ms) / 1e3 / f64::from(replays.max(1)),
-            ))
-        })();
+            Ok(())
+        });
+        let timed = timed.map(|t| t / replays.max(1));
         // Drain whatever is still queued before the graph goes away (an error above may have
         // left launches pending).
         let _ = self.stream.synchronize();
