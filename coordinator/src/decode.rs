@@ -10,7 +10,7 @@ use std::time::Duration;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tprun_kernels::DType;
-use tprun_rank::job::{DecodeSpec, Report, Task};
+use tprun_rank::job::{Backend, DecodeSpec, Report, Task};
 use tprun_rank::model::forward::DEFAULT_MAX_SEQ;
 use tprun_rank::model::{
     synth, Arch, ModelConfig, Preset, ShardPlan, SynthOptions, TextStream, Tokenizer,
@@ -121,6 +121,27 @@ fn percentile(sorted: &[f32], q: f64) -> f64 {
 }
 
 pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
+    // The decode ops have CPU kernels only so far: `auto` means cpu here, and an explicit GPU
+    // backend is refused before any rank starts.
+    let cpu;
+    let settings = match settings.backend {
+        Backend::Cpu => settings,
+        b if settings.backend_explicit => {
+            return Err(usage(format!(
+                "decode has no {} kernels yet (the {} backend runs the allreduce only); use --backend cpu",
+                b.name(),
+                b.name()
+            )))
+        }
+        _ => {
+            cpu = Settings {
+                backend: Backend::Cpu,
+                devices: settings.devices.clone(),
+                ..*settings
+            };
+            &cpu
+        }
+    };
     let dtype = parse_dtype(&args.dtype)?;
     if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
         return Err(usage("--temperature must be a finite number >= 0"));

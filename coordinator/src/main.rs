@@ -20,6 +20,8 @@ use tprun_rank::job::{Backend, IpcMode, JobSpec, Task};
 
 /// Validated global settings.
 pub struct Settings {
+    /// `--backend` was given (not `auto`).
+    pub backend_explicit: bool,
     pub world: usize,
     pub devices: Vec<usize>,
     pub backend: Backend,
@@ -89,6 +91,7 @@ impl Settings {
             IpcArg::Legacy => IpcMode::Legacy,
         };
         Ok(Settings {
+            backend_explicit: cli.backend != BackendArg::Auto,
             world,
             devices,
             backend,
