@@ -14,26 +14,10 @@ bin="$(realpath "${1:-$root/target/release/tprun}")"
 ranks="${2:-4}"
 OUT="${OUT:-/tmp/tprun-allreduce}"
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0            # never NVLink multicast on shared machines
 export TPRUN_KERNEL_CACHE="${TPRUN_KERNEL_CACHE:-/tmp/tprun-kernel-cache}"
-
-# NVRTC: the loader looks for libnvrtc.so; CUDA 13 ships libnvrtc.so.13 (libnvrtc.so only in
-# the -dev package). Link whichever exists into a private folder.
-nvrtc="$(ls /usr/local/cuda/lib64/libnvrtc.so.1[0-9]* /usr/local/cuda/targets/x86_64-linux/lib/libnvrtc.so.1[0-9]* 2>/dev/null | grep -v builtins | head -1)"
-[ -n "$nvrtc" ] || nvrtc="$(find / -name 'libnvrtc.so.1[0-9]*' -not -path '/proc/*' 2>/dev/null | grep -v builtins | head -1)"
-mkdir -p /tmp/tprun-nvrtc && ln -sf "$nvrtc" /tmp/tprun-nvrtc/libnvrtc.so
-export LD_LIBRARY_PATH="/tmp/tprun-nvrtc:$(dirname "$nvrtc"):${LD_LIBRARY_PATH:-}"
-
-ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
-if [ "$ngpu" -ge "$ranks" ]; then
-    devices=$(seq -s, 0 $((ranks - 1)))
-else
-    devices=$(printf '0%.0s,' $(seq "$ranks")); devices=${devices%,}
-    export CUDA_MPS_PIPE_DIRECTORY=/tmp/tprun-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/tprun-mps-log
-    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    nvidia-cuda-mps-control -d && echo "MPS daemon started (ranks share GPU 0)"
-    trap 'echo quit | nvidia-cuda-mps-control; echo "MPS daemon stopped"' EXIT
-fi
+. "$root/scripts/device/common.sh"
+tprun_nvrtc_link
+tprun_devices "$ranks"
 t="$bin --ranks $ranks --devices $devices --backend cuda --timeout 30"
 status=0
 run() { # name, seconds, command...

@@ -6,17 +6,9 @@ set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 bin="$(realpath "${1:-$root/target/release/tprun}")"
 ranks="${2:-4}"
-nvrtc="$(ls /usr/local/cuda/lib64/libnvrtc.so.1[0-9]* /usr/local/cuda/targets/x86_64-linux/lib/libnvrtc.so.1[0-9]* 2>/dev/null | grep -v builtins | head -1)"
-mkdir -p /tmp/tprun-nvrtc && ln -sf "$nvrtc" /tmp/tprun-nvrtc/libnvrtc.so
-export LD_LIBRARY_PATH="/tmp/tprun-nvrtc:$(dirname "$nvrtc"):${LD_LIBRARY_PATH:-}"
-ngpu=$(nvidia-smi -L | wc -l)
-if [ "$ngpu" -ge "$ranks" ]; then devices=$(seq -s, 0 $((ranks - 1))); else
-    devices=$(printf '0%.0s,' $(seq "$ranks")); devices=${devices%,}
-    export CUDA_MPS_PIPE_DIRECTORY=/tmp/tprun-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/tprun-mps-log
-    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    nvidia-cuda-mps-control -d
-    trap 'echo quit | nvidia-cuda-mps-control' EXIT
-fi
+. "$root/scripts/device/common.sh"
+tprun_nvrtc_link
+tprun_devices "$ranks"
 status=0
 for victim in 2 0; do
     log=$(mktemp)

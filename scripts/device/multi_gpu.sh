@@ -15,24 +15,11 @@ ranks="${2:-4}"
 sizes="${3:-8:256M}"
 OUT="${OUT:-/tmp/tprun-multi-gpu}"
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-nvrtc="$(ls /usr/local/cuda/lib64/libnvrtc.so.1[0-9]* /usr/local/cuda/targets/x86_64-linux/lib/libnvrtc.so.1[0-9]* 2>/dev/null | grep -v builtins | head -1)"
-[ -n "$nvrtc" ] || nvrtc="$(find / -name 'libnvrtc.so.1[0-9]*' -not -path '/proc/*' 2>/dev/null | grep -v builtins | head -1)"
-mkdir -p /tmp/tprun-nvrtc && ln -sf "$nvrtc" /tmp/tprun-nvrtc/libnvrtc.so
-export LD_LIBRARY_PATH="/tmp/tprun-nvrtc:$(dirname "$nvrtc"):${LD_LIBRARY_PATH:-}"
-
-ngpu=$(nvidia-smi -L | wc -l)
-nccl_ranks=$ranks
-if [ "$ngpu" -ge "$ranks" ]; then
-    devices=$(seq -s, 0 $((ranks - 1)))
-else
-    devices=$(printf '0%.0s,' $(seq "$ranks")); devices=${devices%,}
-    nccl_ranks=$ngpu
-    export CUDA_MPS_PIPE_DIRECTORY=/tmp/tprun-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/tprun-mps-log
-    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    nvidia-cuda-mps-control -d && echo "only $ngpu GPU(s): tprun ranks share GPU 0 under MPS; NCCL on $ngpu rank(s)"
-    trap 'echo quit | nvidia-cuda-mps-control' EXIT
-fi
+. "$root/scripts/device/common.sh"
+tprun_nvrtc_link
+tprun_devices "$ranks"
+# NCCL refuses two ranks on one GPU: it runs on the GPUs there are.
+nccl_ranks=$(( ngpu < ranks ? ngpu : ranks ))
 t="$bin --ranks $ranks --devices $devices --backend cuda --timeout 60"
 status=0
 run() { # name, seconds, command...

@@ -1,0 +1,30 @@
+# Sourced by the scripts in scripts/device/: what every GPU run needs.
+#   tprun_nvrtc_link        put libnvrtc.so on the loader path (CUDA 13 ships libnvrtc.so.13;
+#                           the plain name comes only with the -dev package)
+#   tprun_devices RANKS     sets $devices: 0..RANKS-1 when there are enough GPUs, else RANKS
+#                           ranks on GPU 0 with the CUDA MPS daemon started (without MPS the
+#                           ranks' kernels time-slice and every cross-rank wait costs ms) and
+#                           stopped at exit; sets $ngpu
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+tprun_nvrtc_link() {
+    local nvrtc
+    nvrtc="$(ls /usr/local/cuda/lib64/libnvrtc.so.1[0-9]* /usr/local/cuda/targets/x86_64-linux/lib/libnvrtc.so.1[0-9]* 2>/dev/null | grep -v builtins | head -1)"
+    [ -n "$nvrtc" ] || nvrtc="$(find / -name 'libnvrtc.so.1[0-9]*' -not -path '/proc/*' 2>/dev/null | grep -v builtins | head -1)"
+    mkdir -p /tmp/tprun-nvrtc && ln -sf "$nvrtc" /tmp/tprun-nvrtc/libnvrtc.so
+    export LD_LIBRARY_PATH="/tmp/tprun-nvrtc:$(dirname "$nvrtc"):${LD_LIBRARY_PATH:-}"
+}
+
+tprun_devices() {
+    local ranks=$1
+    ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+    if [ "$ngpu" -ge "$ranks" ]; then
+        devices=$(seq -s, 0 $((ranks - 1)))
+    else
+        devices=$(printf '0%.0s,' $(seq "$ranks")); devices=${devices%,}
+        export CUDA_MPS_PIPE_DIRECTORY=/tmp/tprun-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/tprun-mps-log
+        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+        nvidia-cuda-mps-control -d && echo "only $ngpu GPU(s): $ranks ranks share GPU 0 under MPS"
+        trap 'echo quit | nvidia-cuda-mps-control; echo "MPS daemon stopped"' EXIT
+    fi
+}
