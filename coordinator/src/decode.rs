@@ -72,19 +72,39 @@ struct Streamer {
     text: String,
     json: bool,
     spinner: Option<ProgressBar>,
+    /// The prompt, echoed to stdout once loading is over (not under the progress bar).
+    echo: Option<String>,
     loaded_s: Option<f64>,
     stats: Option<Report>,
     error: Option<String>,
 }
 
+impl Streamer {
+    /// Loading is over: clear the bar and echo the prompt before the first generated text.
+    fn loaded(&mut self) {
+        if let Some(s) = self.spinner.take() {
+            s.finish_and_clear();
+        }
+        if let Some(p) = self.echo.take() {
+            let mut o = std::io::stdout().lock();
+            let _ = o.write_all(p.as_bytes());
+            let _ = o.flush();
+        }
+    }
+}
+
 impl Observer for Streamer {
     fn report(&mut self, _rank: usize, report: Report) {
         match report {
+            Report::LoadProgress { done, total } => {
+                if let Some(s) = &self.spinner {
+                    s.set_length(u64::from(total));
+                    s.set_position(u64::from(done));
+                }
+            }
             Report::Loaded { seconds } => {
                 self.loaded_s = Some(seconds);
-                if let Some(s) = self.spinner.take() {
-                    s.finish_and_clear();
-                }
+                self.loaded();
             }
             r @ Report::Decode { .. } => self.stats = Some(r),
             Report::BenchRow { .. } => {}
@@ -92,9 +112,7 @@ impl Observer for Streamer {
     }
 
     fn tokens(&mut self, tokens: &[u32]) {
-        if let Some(s) = self.spinner.take() {
-            s.finish_and_clear();
-        }
+        self.loaded();
         for &id in tokens {
             self.ids.push(id);
             match self.stream.push(&self.tok, id) {
@@ -197,10 +215,13 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
             cfg.kv_heads
         );
     }
+    // Hidden when stderr is not a terminal (indicatif's default draw target).
     let spinner = (!args.json).then(|| {
-        let s = ProgressBar::new_spinner();
-        s.set_style(ProgressStyle::with_template("{spinner} {msg} {elapsed}").expect("template"));
-        s.set_message("loading weights");
+        let s = ProgressBar::new(u64::try_from(cfg.layers).unwrap_or(0));
+        s.set_style(
+            ProgressStyle::with_template("loading weights {bar:30} {pos}/{len} layers {elapsed}")
+                .expect("template"),
+        );
         s.enable_steady_tick(Duration::from_millis(100));
         s
     });
@@ -226,19 +247,16 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
         text: String::new(),
         json: args.json,
         spinner,
+        echo: (!args.json).then(|| text.clone()),
         loaded_s: None,
         stats: None,
         error: None,
     };
-    if !args.json {
-        print!("{text}");
-        let _ = std::io::stdout().flush();
-    }
     let result = crate::launch::run(settings.launch(Task::Decode(spec)), &mut st);
     if let Some(s) = st.spinner.take() {
         s.finish_and_clear();
     }
-    if !args.json {
+    if !args.json && st.echo.is_none() {
         println!();
     }
     result?;

@@ -137,6 +137,8 @@ pub enum Report {
         /// capturable algorithms), µs.
         graph_us: Option<f32>,
     },
+    /// Rank 0 has loaded `done` of its shard's `total` layers.
+    LoadProgress { done: u32, total: u32 },
     /// Rank 0 loaded its shard (seconds).
     Loaded { seconds: f64 },
     /// Rank 0's decode statistics; the tokens themselves went through the control block's

@@ -125,10 +125,22 @@ impl<D: Device> Model<D> {
         world: usize,
         opts: &LoadOptions,
     ) -> Result<Model<D>, ModelError> {
+        Self::load_with_progress(dev, dir, rank, world, opts, &mut |_, _| {})
+    }
+
+    /// [`Model::load`], calling `progress(layers_done, layers)` as the layers arrive.
+    pub fn load_with_progress(
+        dev: Arc<D>,
+        dir: &Path,
+        rank: usize,
+        world: usize,
+        opts: &LoadOptions,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Model<D>, ModelError> {
         let cfg = ModelConfig::from_dir(dir)?;
         let plan = ShardPlan::new(&cfg, rank, world)?;
         let ck = Checkpoint::open(dir)?;
-        let w = weights::load(&*dev, &ck, &cfg, &plan, opts.dtype)?;
+        let w = weights::load(&*dev, &ck, &cfg, &plan, opts.dtype, progress)?;
         Self::from_weights(dev, cfg, plan, w, opts)
     }
 

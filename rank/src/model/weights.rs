@@ -127,13 +127,15 @@ impl<D: Device> Loader<'_, D> {
     }
 }
 
-/// Loads this rank's slices of every tensor.
+/// Loads this rank's slices of every tensor, calling `progress(layers_done, layers)` after
+/// each layer.
 pub fn load<D: Device>(
     dev: &D,
     ck: &Checkpoint,
     cfg: &ModelConfig,
     plan: &ShardPlan,
     dtype: Option<DType>,
+    progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Weights<D::Buf>, ModelError> {
     let l = Loader { dev, ck, dtype };
     let (h, d) = (cfg.hidden, cfg.head_dim);
@@ -205,6 +207,7 @@ pub fn load<D: Device>(
                 None,
             )?,
         });
+        progress(i + 1, cfg.layers);
     }
     let vocab_rows = Slice::Rows(plan.vocab.clone());
     Ok(Weights {
