@@ -20,7 +20,9 @@ fn default_iters(bytes: usize) -> u32 {
 }
 
 pub fn rows(args: &BenchAllreduceArgs) -> Result<Vec<BenchRow>> {
-    let algos: Vec<Algo> = if args.algo.iter().any(|a| a == "all") {
+    let algos: Vec<Algo> = if args.tune {
+        vec![Algo::Oneshot, Algo::Twoshot]
+    } else if args.algo.iter().any(|a| a == "all") {
         Algo::ALL.to_vec()
     } else {
         args.algo
@@ -79,6 +81,38 @@ pub fn rows(args: &BenchAllreduceArgs) -> Result<Vec<BenchRow>> {
         bail!("no sizes to run (every size is smaller than one element)");
     }
     Ok(rows)
+}
+
+/// Per dtype, the largest size up to which oneshot beat twoshot at every size (median per
+/// call, or per graph replay where measured); `None` when twoshot won at the smallest.
+fn tune(rows: &[RowOut]) -> std::collections::BTreeMap<&'static str, Option<usize>> {
+    let mut out = std::collections::BTreeMap::new();
+    for dtype in DType::ALL.map(DType::name) {
+        let time = |algo: &str, bytes: usize| {
+            rows.iter()
+                .find(|r| r.dtype == dtype && r.algo == algo && r.bytes == bytes)
+                .map(|r| r.graph_us.unwrap_or(r.time_median_us))
+        };
+        let mut sizes: Vec<usize> = rows
+            .iter()
+            .filter(|r| r.dtype == dtype)
+            .map(|r| r.bytes)
+            .collect();
+        if sizes.is_empty() {
+            continue;
+        }
+        sizes.sort_unstable();
+        sizes.dedup();
+        let mut best = None;
+        for b in sizes {
+            match (time("oneshot", b), time("twoshot", b)) {
+                (Some(o), Some(t)) if o <= t => best = Some(b),
+                _ => break,
+            }
+        }
+        out.insert(dtype, best);
+    }
+    out
 }
 
 #[derive(Serialize)]
@@ -249,6 +283,7 @@ pub fn run(settings: &Settings, args: &BenchAllreduceArgs) -> Result<i32, JobErr
     });
     crate::launch::run(settings.launch(task), &mut col)?;
     let wrong: u64 = col.out.iter().map(|r| r.wrong).sum();
+    let tuned = args.tune.then(|| tune(&col.out));
     if args.json {
         let v = serde_json::json!({
             "world": world,
@@ -256,6 +291,7 @@ pub fn run(settings: &Settings, args: &BenchAllreduceArgs) -> Result<i32, JobErr
             "devices": settings.devices,
             "checked": args.check,
             "rows": col.out,
+            "tune_oneshot_max_bytes": tuned,
         });
         println!("{}", serde_json::to_string_pretty(&v).expect("json"));
     } else {
@@ -265,6 +301,19 @@ pub fn run(settings: &Settings, args: &BenchAllreduceArgs) -> Result<i32, JobErr
             if wrong == 0 { "OK" } else { "FAILED" }
         );
         println!("# Avg bus bandwidth    : {avg:.3} GB/s");
+    }
+    if let (Some(t), false) = (&tuned, args.json) {
+        for (dtype, max) in t {
+            let what = match max {
+                Some(b) => format!("oneshot is faster up to {b} bytes, twoshot above"),
+                None => "twoshot is faster from the smallest size".into(),
+            };
+            println!(
+                "# tune {dtype}: {world} rank(s), {}: {what} (auto switches above {} bytes)",
+                settings.backend.name(),
+                tprun_rank::comm::auto_threshold(settings.backend, world)
+            );
+        }
     }
     if args.check && wrong > 0 {
         eprintln!("error: {wrong} element(s) differed from the reference");

@@ -192,6 +192,11 @@ pub struct BenchAllreduceArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
+
+    /// Measure oneshot against twoshot (instead of --algo) and report, per dtype, up to which
+    /// size oneshot is faster: the crossover `auto` should use on this machine and world.
+    #[arg(long, conflicts_with = "algo")]
+    pub tune: bool,
 }
 
 #[derive(Args, Debug)]

@@ -140,3 +140,37 @@ fn table_has_nccl_tests_columns() {
     assert!(rows.iter().all(|f| f[8] == "0" && f[9] == "-"), "{out}");
     assert!(out.contains("Avg bus bandwidth"));
 }
+
+#[test]
+fn tune_reports_a_crossover_per_dtype() {
+    let env = Env::new("tune");
+    let mut c = env.cmd();
+    c.args([
+        "--ranks",
+        "2",
+        "bench",
+        "allreduce",
+        "--tune",
+        "--dtype",
+        "f32,bf16",
+    ])
+    .args(["--sizes", "4K,64K", "--iters", "3", "--json"]);
+    let o = run(c);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    // oneshot and twoshot only, each dtype, each size.
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2 * 2 * 2);
+    assert!(rows
+        .iter()
+        .all(|r| r["algo"] == "oneshot" || r["algo"] == "twoshot"));
+    let t = v["tune_oneshot_max_bytes"].as_object().unwrap();
+    assert_eq!(t.len(), 2);
+    for (_, max) in t {
+        assert!(
+            max.is_null() || [4096, 65536].contains(&max.as_u64().unwrap()),
+            "{max}"
+        );
+    }
+    env.assert_clean();
+}

@@ -29,17 +29,22 @@ use crate::{Collectives, RankError};
 /// of the elements instead of all of them: 230 µs against 300 µs at 256 KiB). GPU entries come
 /// from the H200 runs in the same notes.
 pub fn auto_pick(backend: Backend, bytes: usize, world: usize) -> Algo {
-    if world == 1 {
-        return Algo::Oneshot;
-    }
-    let oneshot_max = match backend {
-        Backend::Cpu => 64 << 10,
-        Backend::Cuda | Backend::Hip => 512 << 10,
-    };
-    if bytes <= oneshot_max {
+    if bytes <= auto_threshold(backend, world) {
         Algo::Oneshot
     } else {
         Algo::Twoshot
+    }
+}
+
+/// The largest message `auto` sends with oneshot (`bench allreduce --tune` measures the
+/// crossover on a machine).
+pub fn auto_threshold(backend: Backend, world: usize) -> usize {
+    if world == 1 {
+        return usize::MAX;
+    }
+    match backend {
+        Backend::Cpu => 64 << 10,
+        Backend::Cuda | Backend::Hip => 512 << 10,
     }
 }
 
