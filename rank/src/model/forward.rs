@@ -116,6 +116,38 @@ fn f32v<B>(b: &B, len: usize) -> View<'_, B> {
     View::new(b, 0, len, DType::F32)
 }
 
+/// x = x + allreduce(input · wᵀ): a row-parallel projection (each rank holds a partial sum of
+/// the [m, h] output over its slice of the k inputs), the sum over ranks, the residual add.
+/// Used after attention (o_proj) and after the MLP (down_proj).
+#[allow(clippy::too_many_arguments)]
+fn row_parallel<D: Device>(
+    dev: &D,
+    comm: &mut dyn Collectives<D>,
+    s: &Scratch<D::Buf>,
+    input: View<'_, D::Buf>,
+    w: View<'_, D::Buf>,
+    m: usize,
+    k: usize,
+    h: usize,
+) -> Result<(), RankError> {
+    dev.run(&Op::Matmul {
+        x: input,
+        w,
+        bias: None,
+        y: f32v(&s.o, m * h),
+        m,
+        k,
+        n: h,
+    })?;
+    comm.allreduce(f32v(&s.o, m * h))?;
+    dev.run(&Op::Add {
+        a: f32v(&s.x, m * h),
+        b: f32v(&s.o, m * h),
+        out: f32v(&s.x, m * h),
+    })?;
+    Ok(())
+}
+
 impl<D: Device> Model<D> {
     /// Loads rank `rank` of `world`'s shard of the Hugging Face model in `dir`.
     pub fn load(
@@ -409,22 +441,8 @@ impl<D: Device> Model<D> {
                 pos0,
                 scale: 1.0 / (d as f32).sqrt(),
             })?;
-            // x = x + allreduce(o_proj(att))   (row-parallel: a partial sum per rank)
-            dev.run(&Op::Matmul {
-                x: f32v(&s.att, m * nq),
-                w: lw.wo.view(),
-                bias: None,
-                y: f32v(&s.o, m * h),
-                m,
-                k: nq,
-                n: h,
-            })?;
-            comm.allreduce(f32v(&s.o, m * h))?;
-            dev.run(&Op::Add {
-                a: f32v(&s.x, m * h),
-                b: f32v(&s.o, m * h),
-                out: f32v(&s.x, m * h),
-            })?;
+            // x = x + allreduce(o_proj(att))
+            row_parallel(dev, comm, s, f32v(&s.att, m * nq), lw.wo.view(), m, nq, h)?;
 
             // xb = post_attention_layernorm(x)
             dev.run(&Op::RmsNorm {
@@ -460,21 +478,16 @@ impl<D: Device> Model<D> {
                 out: f32v(&s.hb, m * ni),
             })?;
             // x = x + allreduce(down_proj(hb))
-            dev.run(&Op::Matmul {
-                x: f32v(&s.hb, m * ni),
-                w: lw.w_down.view(),
-                bias: None,
-                y: f32v(&s.o, m * h),
+            row_parallel(
+                dev,
+                comm,
+                s,
+                f32v(&s.hb, m * ni),
+                lw.w_down.view(),
                 m,
-                k: ni,
-                n: h,
-            })?;
-            comm.allreduce(f32v(&s.o, m * h))?;
-            dev.run(&Op::Add {
-                a: f32v(&s.x, m * h),
-                b: f32v(&s.o, m * h),
-                out: f32v(&s.x, m * h),
-            })?;
+                ni,
+                h,
+            )?;
         }
         self.len = pos0 + m;
         if !logits {
