@@ -18,14 +18,7 @@ fn check(world: usize, extra: &[&str]) {
     ])
     .args(["--algo", "all", "--dtype", "all", "--check", "--json"])
     .args(extra);
-    let o = run(c);
-    assert!(
-        o.status.success(),
-        "world {world}: {}\n{}",
-        stderr(&o),
-        stdout(&o)
-    );
-    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("json output");
+    let v = run_json(c, format!("world {world}"));
     let rows = v["rows"].as_array().unwrap();
     assert!(!rows.is_empty());
     for r in rows {
@@ -113,9 +106,7 @@ fn table_has_nccl_tests_columns() {
         "--algo",
         "oneshot",
     ]);
-    let o = run(c);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let out = stdout(&o);
+    let out = stdout(&run_ok(c, "table"));
     for col in [
         "size(B)",
         "count",
@@ -155,9 +146,7 @@ fn tune_reports_a_crossover_per_dtype() {
         "f32,bf16",
     ])
     .args(["--sizes", "4K,64K", "--iters", "3", "--json"]);
-    let o = run(c);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let v = run_json(c, "tune");
     // oneshot and twoshot only, each dtype, each size.
     let rows = v["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 2 * 2 * 2);

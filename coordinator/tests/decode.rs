@@ -20,9 +20,7 @@ fn decode_json(env: &Env, world: usize, model: &Path, extra: &[&str]) -> serde_j
     .arg("--model")
     .arg(model)
     .args(extra);
-    let o = run(c);
-    assert!(o.status.success(), "world {world}: {}", stderr(&o));
-    serde_json::from_str(&stdout(&o)).expect("json output")
+    run_json(c, format!("world {world}"))
 }
 
 fn ids(v: &serde_json::Value) -> Vec<u64> {
@@ -82,8 +80,7 @@ fn synth(env: &Env, arch: &str, dtype: &str) -> PathBuf {
         "synth", "--arch", arch, "--preset", "tiny", "--dtype", dtype, "--seed", "5", "--out",
     ])
     .arg(&out);
-    let o = run(c);
-    assert!(o.status.success(), "{}", stderr(&o));
+    run_ok(c, "synth");
     out
 }
 
@@ -139,8 +136,7 @@ fn default_model_streams_text_and_a_summary() {
         "20",
         "--ignore-eos",
     ]);
-    let o = run(c);
-    assert!(o.status.success(), "{}", stderr(&o));
+    let o = run_ok(c, "default model");
     assert!(stdout(&o).starts_with("Once upon a time"));
     let err = stderr(&o);
     for part in ["load", "prefill", "tok/s", "decode 20 tokens", "p50", "p99"] {

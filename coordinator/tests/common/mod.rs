@@ -51,6 +51,25 @@ pub fn run(mut c: Command) -> Output {
     c.output().expect("running tprun")
 }
 
+/// Runs `c` and asserts it succeeded, showing `what` and both streams if it did not.
+pub fn run_ok(c: Command, what: impl std::fmt::Display) -> Output {
+    let o = run(c);
+    assert!(
+        o.status.success(),
+        "{what}: {:?}\n{}\n{}",
+        o.status,
+        stderr(&o),
+        stdout(&o)
+    );
+    o
+}
+
+/// Runs `c`, asserts it succeeded, and parses its stdout as JSON (`--json` output).
+pub fn run_json(c: Command, what: impl std::fmt::Display) -> serde_json::Value {
+    let o = run_ok(c, &what);
+    serde_json::from_str(&stdout(&o)).unwrap_or_else(|e| panic!("{what}: not JSON: {e}"))
+}
+
 pub fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
