@@ -4,18 +4,29 @@
 //!
 //! ```text
 //! [ signal area: SIGNAL_BYTES ][ data slot 0: data_bytes ][ data slot 1: data_bytes ]
+//! [ low-latency slot 0: ll_slot_bytes ][ low-latency slot 1: ll_slot_bytes ]
 //! ```
 //!
-//! Call number `epoch` (1, 2, 3, … never reset) uses data slot `epoch % 2`. Two slots are needed
+//! Call number `epoch` (1, 2, 3, … never reset; every algorithm counts, `host` included) uses
+//! data slot `epoch % 2`. Two slots are needed
 //! because a fast rank may start call e+1 while a slow peer is still reading its slot of call e;
-//! it cannot reach call e+2 (and overwrite slot e % 2 again) before every peer has raised its
-//! flag for e+1, which each peer does only after it finished reading call e.
+//! it cannot reach call e+2 (and overwrite slot e % 2 again) before every peer has signalled
+//! call e+1 (a flag, a low-latency line, or the `host` barrier after its stream sync), which
+//! each peer does only after it finished reading call e.
 //!
 //! The signal area holds the flags, one u32 per (phase, sender), each on its own 64-byte line
 //! so that different senders never write the same cache line. Rank `s` raises flag
 //! (phase, s) in peer `q`'s signal area by storing the epoch there. Epochs wrap at 2^32: a
-//! waiter compares with `(flag - epoch) as i32 >= 0`, which is right while peers are less than
-//! 2^31 calls apart (they are at most one call apart).
+//! waiter compares with `(flag - epoch) as i32 >= 0`, which is right while no flag is 2^31
+//! calls stale; the CPU backend moves every flag on every call (phases a call does not wait on
+//! without a wake), so none is more than one call old. GPU backends keep 64-bit epochs on the
+//! device and their own flag layout (kernels/src/gpu/comm.cu).
+//!
+//! The low-latency slots belong to GPU backends' `oneshot` for messages of up to
+//! [`CommLayout::ll_bytes`]: each holds one region of `ll_stride` bytes per sender, into which
+//! the sender stores 16-byte lines of 8 message bytes plus flags (kernels/src/gpu/comm.cu says
+//! why). The CPU backend leaves them untouched (memfd pages that are never touched cost
+//! nothing).
 
 use std::sync::atomic::AtomicU32;
 use std::time::Duration;
@@ -32,14 +43,22 @@ pub const FLAG_STRIDE: usize = 64;
 /// GPU backends' per-block flags.
 pub const SIGNAL_BYTES: usize = 256 * 1024;
 
-/// Which algorithm a peer-buffer allreduce uses (the `host` algorithm is composed by the rank
-/// out of `Copy`, `ReduceSum` and host barriers, so it has no op of its own).
+/// Largest message the low-latency `oneshot` carries (GPU backends; larger ones, or any
+/// message when the layout has less room, use the flag-and-slot `oneshot`).
+pub const LL_MAX_BYTES: usize = 64 * 1024;
+
+/// Which algorithm a peer-buffer allreduce uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CommAlgo {
     /// Every rank publishes its input, then reads every peer's and reduces all of it.
     Oneshot,
     /// Reduce-scatter (rank r reduces slice r) then all-gather of the reduced slices.
     Twoshot,
+    /// The device half of the `host` algorithm, which the rank composes out of a `Copy` into
+    /// its own slot for this epoch, a stream sync and a host barrier: sum every rank's slot in
+    /// rank order into `data`, and count the call (GPU backends keep a device-side epoch
+    /// counter that every algorithm must advance).
+    HostReduce,
 }
 
 /// Sizes of one rank's communication buffer.
@@ -47,22 +66,40 @@ pub enum CommAlgo {
 pub struct CommLayout {
     /// Capacity of each data slot in bytes (the largest message).
     pub data_bytes: usize,
+    /// Largest message the low-latency slots carry.
+    pub ll_bytes: usize,
+    /// Bytes of one sender's region in a low-latency slot (16 per 8 message bytes).
+    pub ll_stride: usize,
+    /// Bytes of one low-latency slot (`world` regions).
+    pub ll_slot_bytes: usize,
 }
 
 impl CommLayout {
-    pub fn new(max_message_bytes: usize) -> Self {
-        // Round to 4 KiB so that slot 1 starts page- (and 16-byte vector-) aligned.
+    /// The layout for messages of up to `max_message_bytes` among `world` ranks.
+    pub fn new(max_message_bytes: usize, world: usize) -> Self {
+        // Round to 4 KiB so that every slot starts page- (and 16-byte vector-) aligned.
+        let page = |b: usize| b.max(1).div_ceil(4096) * 4096;
+        let ll_bytes = max_message_bytes.clamp(1, LL_MAX_BYTES);
+        let ll_stride = ll_bytes.div_ceil(8) * 16;
         CommLayout {
-            data_bytes: max_message_bytes.max(1).div_ceil(4096) * 4096,
+            data_bytes: page(max_message_bytes),
+            ll_bytes,
+            ll_stride,
+            ll_slot_bytes: page(world.max(1) * ll_stride),
         }
     }
 
     pub fn total_bytes(&self) -> usize {
-        SIGNAL_BYTES + 2 * self.data_bytes
+        SIGNAL_BYTES + 2 * self.data_bytes + 2 * self.ll_slot_bytes
     }
 
     pub fn slot_offset(&self, epoch: u32) -> usize {
         SIGNAL_BYTES + (epoch as usize % 2) * self.data_bytes
+    }
+
+    /// Start of the low-latency slot that call `epoch` uses.
+    pub fn ll_offset(&self, epoch: u32) -> usize {
+        SIGNAL_BYTES + 2 * self.data_bytes + (epoch as usize % 2) * self.ll_slot_bytes
     }
 
     /// Byte offset of the flag that `sender` raises in a receiver's signal area for `phase`.
@@ -149,7 +186,14 @@ mod tests {
     #[test]
     fn flags_fit_in_signal_area() {
         assert!(CommLayout::flag_offset(PHASES - 1, MAX_WORLD - 1) + FLAG_STRIDE <= SIGNAL_BYTES);
-        let l = CommLayout::new(5);
+        let l = CommLayout::new(5, 3);
         assert_eq!(l.slot_offset(1) - l.slot_offset(2), 4096);
+        assert_eq!((l.ll_bytes, l.ll_stride, l.ll_slot_bytes), (5, 16, 4096));
+        assert_eq!(l.ll_offset(0), l.slot_offset(1) + 4096);
+        assert_eq!(l.ll_offset(1) + l.ll_slot_bytes, l.total_bytes());
+        // Large messages: the low-latency slots stop at LL_MAX_BYTES, one region per rank.
+        let l = CommLayout::new(64 << 20, 4);
+        assert_eq!(l.ll_bytes, LL_MAX_BYTES);
+        assert_eq!(l.ll_slot_bytes, 4 * 2 * LL_MAX_BYTES);
     }
 }

@@ -159,13 +159,19 @@ fn vmm_fd_imports_in_another_process() {
     round_trip(IpcMode::Fd);
 }
 
-/// The calls both processes make, in order: (algo, dtype, elements).
-fn schedule() -> Vec<(CommAlgo, DType, usize)> {
+/// The calls both processes make, in order: (algo, low-latency oneshot on, dtype, elements).
+/// The kernels alternate call by call, so each one also starts from the state the others
+/// leave behind.
+fn schedule() -> Vec<(CommAlgo, bool, DType, usize)> {
     let mut v = Vec::new();
-    for algo in [CommAlgo::Oneshot, CommAlgo::Twoshot] {
-        for dtype in DType::ALL {
-            for n in [1usize, 17, 4099] {
-                v.push((algo, dtype, n));
+    for dtype in DType::ALL {
+        for n in [1usize, 17, 4099] {
+            for (algo, ll) in [
+                (CommAlgo::Oneshot, true),
+                (CommAlgo::Oneshot, false),
+                (CommAlgo::Twoshot, false),
+            ] {
+                v.push((algo, ll, dtype, n));
             }
         }
     }
@@ -211,7 +217,7 @@ fn expected(i: usize, dtype: DType, n: usize) -> Vec<u8> {
 /// One rank of the two-process allreduce. Rank 0 (the parent) spawns rank 1 and exchanges
 /// handles over its pipes; rank 1 gets rank 0's handle in the environment and prints its own.
 fn allreduce_rank(rank: usize, peer_handle: Option<&str>) {
-    let layout = CommLayout::new(4099 * 4);
+    let layout = CommLayout::new(4099 * 4, 2);
     let dev = CudaDevice::new(0, IpcMode::Legacy).unwrap();
     let (own, export) = dev.alloc_shared(layout.total_bytes()).unwrap();
     let ExportMeta::CudaLegacy { handle, .. } = &export.meta else {
@@ -265,7 +271,8 @@ fn allreduce_rank(rank: usize, peer_handle: Option<&str>) {
     };
     let t0 = Instant::now();
     let calls = schedule();
-    for (i, &(algo, dtype, n)) in calls.iter().enumerate() {
+    for (i, &(algo, ll, dtype, n)) in calls.iter().enumerate() {
+        dev.set_low_latency(ll);
         let data = dev.alloc(n * dtype.size()).unwrap();
         dev.write(&data, 0, &input(i, rank, dtype, n)).unwrap();
         dev.run(&Op::Allreduce(AllreduceArgs {
@@ -284,7 +291,7 @@ fn allreduce_rank(rank: usize, peer_handle: Option<&str>) {
         dev.read(&data, 0, &mut got).unwrap();
         assert!(
             got == expected(i, dtype, n),
-            "rank {rank}: call {i} ({algo:?} {dtype} n={n}) differs from the CPU twin"
+            "rank {rank}: call {i} ({algo:?} ll={ll} {dtype} n={n}) differs from the CPU twin"
         );
     }
     println!(

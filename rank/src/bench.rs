@@ -133,5 +133,5 @@ pub fn run<D: Device>(
             &[],
         )?;
     }
-    Ok(())
+    comm.close()
 }

@@ -3,8 +3,8 @@
 //!
 //! | algorithm | how |
 //! | --- | --- |
-//! | `host` | copy into own buffer; sync; control-block barrier; `ReduceSum` over every rank's buffer; sync; barrier |
-//! | `oneshot` | one `Op::Allreduce`: publish, flag every peer, wait for all flags, reduce everything |
+//! | `host` | copy into own slot; sync; control-block barrier; `Op::Allreduce` (`HostReduce`): sum every rank's slot, queued, not waited for |
+//! | `oneshot` | one `Op::Allreduce`: publish, flag every peer, wait for all flags, reduce everything (GPUs: messages up to 64 KiB go with their flags inside the data, `comm.cu`) |
 //! | `twoshot` | one `Op::Allreduce`: reduce-scatter through peer buffers, flags, all-gather |
 //! | `auto` | picks one of the above by message size and world size ([`auto_pick`]) |
 //!
@@ -57,9 +57,9 @@ pub struct Communicator<D: Device> {
     /// Every rank's communication buffer; ours at index `rank`.
     bufs: Vec<D::Buf>,
     layout: CommLayout,
-    /// Flag-based (oneshot/twoshot) calls so far, replays of captured graphs included; the
-    /// next such call uses `epoch + 1`. Identical on every rank because every rank makes the
-    /// same calls in the same order.
+    /// Allreduce calls so far (every algorithm, replays of captured graphs included); the next
+    /// call uses `epoch + 1`. Identical on every rank because every rank makes the same calls
+    /// in the same order.
     epoch: u32,
     timeout: Duration,
     spin: u32,
@@ -81,7 +81,7 @@ impl<D: Device> Communicator<D> {
         spin: u32,
     ) -> Result<Self, RankError> {
         let world = control.world();
-        let layout = CommLayout::new(max_message_bytes);
+        let layout = CommLayout::new(max_message_bytes, world);
         let (own, export) = dev.alloc_shared(layout.total_bytes())?;
         let info = dev.info();
         let item = ExportItem {
@@ -172,6 +172,15 @@ impl<D: Device> Communicator<D> {
         self.layout.data_bytes
     }
 
+    /// Ends the job's collective work: waits until this rank's queued calls are done and
+    /// every rank got here, so that no peer still reads our buffer (a call returns before
+    /// its peers may have finished reading our slot) when it is freed. Call it on the success
+    /// path, before dropping the communicator.
+    pub fn close(&self) -> Result<(), RankError> {
+        self.dev.sync()?;
+        self.barrier()
+    }
+
     /// A host barrier over the control block.
     pub fn barrier(&self) -> Result<(), RankError> {
         self.control
@@ -196,34 +205,46 @@ impl<D: Device> Communicator<D> {
                 self.layout.data_bytes
             )));
         }
+        if data.len == 0 {
+            // Every rank makes the same calls, so every rank skips this one alike.
+            return Ok(());
+        }
         let refs: Vec<&D::Buf> = self.bufs.iter().collect();
         match self.resolve(algo, data.bytes()) {
             Algo::Host => {
-                // Any slot will do: the closing barrier keeps everyone out of the next call
-                // until every rank has read this one. The epoch is not advanced: it counts
-                // the device-side (flag) calls only, which GPU backends check against their
-                // own counter.
-                let slot = self.layout.slot_offset(self.epoch);
+                // Like every call, slot epoch % 2: free, because every peer finished call
+                // epoch - 2 (its reads of this slot) before it signalled call epoch - 1, which
+                // we waited for (a flag, or the barrier below of a host call).
+                self.epoch = self.epoch.wrapping_add(1);
+                let epoch = self.epoch;
+                let slot = self.layout.slot_offset(epoch);
                 let mine = View::new(refs[self.rank], slot, data.len, data.dtype);
                 self.dev.run(&Op::Copy {
                     src: data,
                     dst: mine,
                 })?;
                 self.dev.sync()?;
-                // Barrier 1: every rank's input is in its buffer (the sync above finished the
-                // copy; the barrier's AcqRel/Release chain publishes it to the readers).
+                // Every rank's input is in its slot (the sync above finished the copy; the
+                // barrier's AcqRel/Release chain publishes it to the readers).
                 self.barrier()?;
-                let inputs: Vec<View<'_, D::Buf>> = refs
-                    .iter()
-                    .map(|b| View::new(*b, slot, data.len, data.dtype))
-                    .collect();
-                self.dev.run(&Op::ReduceSum {
-                    inputs: &inputs,
-                    out: data,
-                })?;
-                self.dev.sync()?;
-                // Barrier 2: nobody refills its buffer while a peer may still read it.
-                self.barrier()?;
+                // The sum is queued, not waited for: the result is stream-ordered before
+                // whatever the caller queues next, and no closing barrier is needed. The next
+                // call writes the other slot; the call after it (e + 2) writes this slot again
+                // only after call e + 1's wait for every peer (its barrier, flags or
+                // low-latency lines), which each peer passes or sends only once this reduce
+                // of its own has finished (stream order). Before a buffer is freed, `close`
+                // waits for the peers.
+                self.dev.run(&Op::Allreduce(AllreduceArgs {
+                    algo: CommAlgo::HostReduce,
+                    rank: self.rank,
+                    world: self.world,
+                    epoch,
+                    data,
+                    comm: &refs,
+                    layout: self.layout,
+                    timeout: self.timeout,
+                    abort: Some(self.control.abort_word()),
+                }))?;
             }
             a @ (Algo::Oneshot | Algo::Twoshot) => {
                 self.epoch = self.epoch.wrapping_add(1);

@@ -95,6 +95,7 @@ pub fn run<D: Device>(
             Ok(true)
         },
     )?;
+    comm.close()?;
     if ctx.rank == 0 {
         report(
             conn,

@@ -13,7 +13,7 @@ use std::time::Instant;
 use super::reduce::{sum_range, SendPtr};
 use super::wait::{reached, wait_until, wake_all, WaitError};
 use super::{par_ranges, CpuBuf, CpuDevice};
-use crate::comm::{shard_range, AllreduceArgs, CommAlgo, CommLayout};
+use crate::comm::{shard_range, AllreduceArgs, CommAlgo, CommLayout, PHASES};
 use crate::{with_dtype, KernelError, Result};
 
 const MIN_PER_THREAD: usize = 1 << 16;
@@ -26,16 +26,29 @@ fn flag(buf: &CpuBuf, phase: usize, sender: usize) -> &AtomicU32 {
     unsafe { &*(buf.ptr().add(off) as *const AtomicU32) }
 }
 
-/// Raises our flag for `phase` in every peer's signal area.
-fn signal(a: &AllreduceArgs<'_, CpuBuf>, phase: usize) {
+/// Raises our flag for `phase` in every peer's signal area; wakes sleepers when somebody
+/// waits for it in this call (`wake`).
+fn signal(a: &AllreduceArgs<'_, CpuBuf>, phase: usize, wake: bool) {
     for (q, peer) in a.comm.iter().enumerate() {
         if q != a.rank {
             // Release: publishes our data-slot writes (and, in phase 1, our reduced slice)
             // to the peer's Acquire load in `wait_all`.
             let f = flag(peer, phase, a.rank);
             f.store(a.epoch, Ordering::Release);
-            wake_all(f);
+            if wake {
+                wake_all(f);
+            }
         }
+    }
+}
+
+/// Raises the flags of the phases this call does not wait on, without waking anyone (nobody
+/// waits for them at this epoch): every call moves every flag, so none is ever more than one
+/// call old, and the wrapping u32 comparison of `reached` never meets a value 2^31 calls
+/// stale (which it would take for current).
+fn signal_unused(a: &AllreduceArgs<'_, CpuBuf>, phases: std::ops::Range<usize>) {
+    for phase in phases {
+        signal(a, phase, false);
     }
 }
 
@@ -87,11 +100,21 @@ pub(crate) fn allreduce(dev: &CpuDevice, a: &AllreduceArgs<'_, CpuBuf>) -> Resul
             .iter()
             .map(|b| b.typed::<T>(slot, n, dtype).map(SendPtr))
             .collect::<Result<Vec<_>>>()?;
+        if a.algo == CommAlgo::HostReduce {
+            // The rank copied every input into its slot and met the others at a host barrier
+            // (whose Release/Acquire chain publishes the copies): only the sum is left.
+            par_ranges(dev.threads(), n, MIN_PER_THREAD, |r| {
+                // SAFETY: all slots hold n elements; `data` is private to this rank.
+                unsafe { sum_range::<T>(&slots, data, r) };
+            });
+            signal_unused(a, 0..PHASES);
+            return Ok(());
+        }
         // Publish our input in our own data slot. No peer reads this slot before our phase-0
         // flag for this epoch (see the two-slot argument in `comm`).
         // SAFETY: both ranges bounds-checked by `typed`; distinct buffers.
         unsafe { std::ptr::copy_nonoverlapping(data.get(), slots[a.rank].get(), n) };
-        signal(a, 0);
+        signal(a, 0, true);
         wait_all(dev, a, 0, deadline)?;
         match a.algo {
             CommAlgo::Oneshot => {
@@ -100,6 +123,7 @@ pub(crate) fn allreduce(dev: &CpuDevice, a: &AllreduceArgs<'_, CpuBuf>) -> Resul
                     // SAFETY: all slots hold n elements; `data` is private to this rank.
                     unsafe { sum_range::<T>(&slots, data, r) };
                 });
+                signal_unused(a, 1..PHASES);
             }
             CommAlgo::Twoshot => {
                 // Reduce-scatter: we own shard `rank` and write its sum into our own slot in
@@ -111,7 +135,7 @@ pub(crate) fn allreduce(dev: &CpuDevice, a: &AllreduceArgs<'_, CpuBuf>) -> Resul
                     // SAFETY: shard elements are within n; see the comment above for aliasing.
                     unsafe { sum_range::<T>(&slots, slots[a.rank], base + r.start..base + r.end) };
                 });
-                signal(a, 1);
+                signal(a, 1, true);
                 wait_all(dev, a, 1, deadline)?;
                 // All-gather: copy every shard from its owner's slot (ours included).
                 for (q, s) in slots.iter().enumerate() {
@@ -121,6 +145,7 @@ pub(crate) fn allreduce(dev: &CpuDevice, a: &AllreduceArgs<'_, CpuBuf>) -> Resul
                     unsafe { std::ptr::copy_nonoverlapping(s.get().add(sh.start), data.get().add(sh.start), sh.len()) };
                 }
             }
+            CommAlgo::HostReduce => unreachable!("returned above"),
         }
     });
     Ok(())
@@ -137,7 +162,7 @@ mod tests {
 
     /// Threads stand in for rank processes: the memory protocol is the same.
     fn run_world(world: usize, n: usize, dtype: DType, algo: CommAlgo) {
-        let layout = CommLayout::new(n * dtype.size());
+        let layout = CommLayout::new(n * dtype.size(), world);
         let devs: Vec<_> = (0..world).map(|r| CpuDevice::new(r, 1, 100)).collect();
         let comm: Vec<CpuBuf> = devs
             .iter()
@@ -214,9 +239,76 @@ mod tests {
         }
     }
 
+    /// Back-to-back calls that switch algorithm every call, the `host` one composed as the
+    /// communicator does it (copy into the slot, barrier, `HostReduce`, no closing barrier),
+    /// with message sizes that change too: every result must be the exact rank-order sum.
+    #[test]
+    fn mixed_algorithms_back_to_back_reuse_slots_safely() {
+        let world = 3;
+        let max = 5000;
+        let layout = CommLayout::new(max * 4, world);
+        let devs: Vec<_> = (0..world).map(|r| CpuDevice::new(r, 1, 100)).collect();
+        let comm: Vec<CpuBuf> = devs
+            .iter()
+            .map(|d| d.alloc_shared(layout.total_bytes()).unwrap().0)
+            .collect();
+        let barrier = std::sync::Barrier::new(world);
+        let input = |call: usize, r: usize, i: usize| ((call * 31 + r * 7 + i) % 97) as f32 - 48.0;
+        let algos = [CommAlgo::Oneshot, CommAlgo::HostReduce, CommAlgo::Twoshot];
+        std::thread::scope(|s| {
+            for r in 0..world {
+                let (dev, comm, barrier) = (&devs[r], &comm, &barrier);
+                s.spawn(move || {
+                    let data = dev.alloc(max * 4).unwrap();
+                    let refs: Vec<&CpuBuf> = comm.iter().collect();
+                    for call in 0..60usize {
+                        let epoch = call as u32 + 1;
+                        let algo = algos[(call * 7 / 3) % 3];
+                        let n = [1, 4999, 17, 2048, 5000][call % 5];
+                        let mine: Vec<f32> = (0..n).map(|i| input(call, r, i)).collect();
+                        dev.write(&data, 0, &encode(DType::F32, &mine)).unwrap();
+                        let view = View::new(&data, 0, n, DType::F32);
+                        if algo == CommAlgo::HostReduce {
+                            let slot = View::new(refs[r], layout.slot_offset(epoch), n, DType::F32);
+                            dev.run(&Op::Copy {
+                                src: view,
+                                dst: slot,
+                            })
+                            .unwrap();
+                            barrier.wait();
+                        }
+                        let args = AllreduceArgs {
+                            algo,
+                            rank: r,
+                            world,
+                            epoch,
+                            data: view,
+                            comm: &refs,
+                            layout,
+                            timeout: Duration::from_secs(10),
+                            abort: None,
+                        };
+                        dev.run(&Op::Allreduce(args)).unwrap();
+                        let mut bytes = vec![0u8; n * 4];
+                        dev.read(&data, 0, &mut bytes).unwrap();
+                        let got = decode(DType::F32, &bytes);
+                        for (i, g) in got.iter().enumerate() {
+                            let want =
+                                (1..world).fold(input(call, 0, i), |a, q| a + input(call, q, i));
+                            assert_eq!(
+                                *g, want,
+                                "rank {r} call {call} ({algo:?}, n {n}) element {i}"
+                            );
+                        }
+                    }
+                });
+            }
+        });
+    }
+
     #[test]
     fn a_missing_peer_times_out_naming_it() {
-        let layout = CommLayout::new(64);
+        let layout = CommLayout::new(64, 2);
         let dev = CpuDevice::new(0, 1, 10);
         let comm: Vec<CpuBuf> = (0..2)
             .map(|_| dev.alloc_shared(layout.total_bytes()).unwrap().0)

@@ -11,12 +11,13 @@
 //!
 //! ```text
 //! 0 .. 8192                 CPU backend's (phase, sender) flag lines (unused on GPUs)
-//! 8192                      u32 epoch counter: the last epoch this rank completed
-//! 8192 + 64                 u32 done: finished blocks of the running launch
-//! 8192 + 128 + ((phase * MAX_BLOCKS + block) * MAX_WORLD + sender) * 4
-//!                           u32 flag raised by `sender`'s block `block` for `phase`
-//! .. 8192 + 128 + 64 KiB    (end of the flags; the rest of the 256 KiB is free)
+//! 8192 + 8 * block          u64 epoch counter per block: the last epoch this rank completed
+//! 9216 + ((phase * MAX_BLOCKS + block) * MAX_WORLD + sender) * 8
+//!                           u64 flag raised by `sender`'s block `block` for `phase`
+//! .. 9216 + 128 KiB         (end of the flags; the rest of the 256 KiB is free)
 //! ```
+//!
+//! The low-latency slots after the data slots are laid out by [`CommLayout`].
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -27,17 +28,17 @@ use cudarc::nvrtc::Ptx;
 
 use super::mem::CudaBuf;
 use super::{driver_err, program, result};
-use crate::comm::{AllreduceArgs, CommAlgo, FLAG_STRIDE, MAX_WORLD, PHASES, SIGNAL_BYTES};
+use crate::comm::{
+    AllreduceArgs, CommAlgo, CommLayout, FLAG_STRIDE, MAX_WORLD, PHASES, SIGNAL_BYTES,
+};
 use crate::{DType, KernelError, Result, View};
 
 /// Where the GPU part of the signal area starts: after the CPU backend's flags.
 pub const SIG_BASE: usize = PHASES * MAX_WORLD * FLAG_STRIDE;
-/// The device-resident epoch counter.
-pub const SIG_EPOCH: usize = SIG_BASE;
-/// Finished-block counter of the running launch (own 64-byte line).
-pub const SIG_DONE: usize = SIG_BASE + 64;
-/// First per-block flag.
-pub const SIG_FLAGS: usize = SIG_BASE + 128;
+/// The device-resident epoch counters, one u64 per block.
+pub const SIG_EPOCHS: usize = SIG_BASE;
+/// First per-block flag (u64).
+pub const SIG_FLAGS: usize = SIG_BASE + 1024;
 /// Most blocks one allreduce launch may use (flags exist for this many).
 pub const MAX_BLOCKS: usize = 128;
 /// Threads per allreduce block (comm.cu TP_AR_THREADS; at least MAX_WORLD, since threads
@@ -45,12 +46,17 @@ pub const MAX_BLOCKS: usize = 128;
 pub const AR_THREADS: u32 = 512;
 /// Threads per block of copy / reduce_sum (reduce.cu TP_THREADS).
 pub const THREADS: u32 = 256;
+/// Same-dtype copies up to this size run as a kernel (reduce.cu copy_bytes), larger ones as a
+/// device memcpy.
+pub const SMALL_COPY_BYTES: usize = 1 << 20;
 /// Most inputs of one ReduceSum launch (reduce.cu TP_MAX_INPUTS).
 pub const MAX_INPUTS: usize = 64;
 
 const _: () = assert!(SIG_BASE == 8192, "comm.cu hard-codes 8192");
-const _: () = assert!(SIG_FLAGS + PHASES * MAX_BLOCKS * MAX_WORLD * 4 <= SIGNAL_BYTES);
+const _: () = assert!(SIG_EPOCHS + 8 * MAX_BLOCKS <= SIG_FLAGS);
+const _: () = assert!(SIG_FLAGS + PHASES * MAX_BLOCKS * MAX_WORLD * 8 <= SIGNAL_BYTES);
 const _: () = assert!(AR_THREADS as usize >= MAX_WORLD);
+const _: () = assert!(AR_THREADS as usize >= MAX_BLOCKS);
 
 /// Host-mapped error words (comm.cu TP_ERR_*).
 pub const ERR_CODE: usize = 0;
@@ -69,6 +75,9 @@ struct ArParams {
     data: u64,
     n: u64,
     data_bytes: u64,
+    ll: u64,
+    ll_slot_bytes: u64,
+    ll_stride: u64,
     timeout_ns: u64,
     err: u64,
     rank: u32,
@@ -76,7 +85,7 @@ struct ArParams {
     host_epoch: u32,
     vec: u32,
 }
-const _: () = assert!(std::mem::size_of::<ArParams>() == 568);
+const _: () = assert!(std::mem::size_of::<ArParams>() == 592);
 
 /// reduce.cu `struct ReduceParams`, passed by value.
 #[repr(C)]
@@ -109,6 +118,7 @@ fn kernel_names(module: &str) -> Vec<String> {
     let mut v = Vec::new();
     match module {
         "reduce" => {
+            v.push("copy_bytes".to_string());
             for d in DType::ALL {
                 v.push(format!("reduce_sum_{d}"));
                 for s in DType::ALL.into_iter().filter(|&s| s != d) {
@@ -118,8 +128,9 @@ fn kernel_names(module: &str) -> Vec<String> {
         }
         "comm" => {
             for d in DType::ALL {
-                v.push(format!("allreduce_oneshot_{d}"));
-                v.push(format!("allreduce_twoshot_{d}"));
+                for algo in ["oneshot", "oneshot_ll", "twoshot", "host_reduce"] {
+                    v.push(format!("allreduce_{algo}_{d}"));
+                }
             }
         }
         _ => unreachable!("unknown module {module}"),
@@ -202,6 +213,10 @@ pub(crate) struct Launcher<'a> {
     pub kernels: &'a Kernels,
     pub sms: u32,
     pub comm_blocks: u32,
+    /// Whether `oneshot` uses the low-latency kernel for messages that fit its slots.
+    pub ll: bool,
+    /// Whether small same-dtype copies run as a kernel (else always a memcpy).
+    pub small_copy_kernel: bool,
     pub err_words: u64,
 }
 
@@ -246,11 +261,21 @@ impl Launcher<'_> {
         if src.len == 0 {
             return Ok(());
         }
-        if src.dtype == dst.dtype {
+        if src.dtype == dst.dtype && (src.bytes() > SMALL_COPY_BYTES || !self.small_copy_kernel) {
             // SAFETY: both ranges bounds-checked; the buffers outlive the queued copy (callers
             // sync before dropping buffers).
             return unsafe { dr::memcpy_dtod_async(d, s, src.bytes(), self.stream.cu_stream()) }
                 .map_err(driver_err("cuMemcpyDtoDAsync"));
+        }
+        if src.dtype == dst.dtype {
+            let mut p = CopyParams {
+                src: s,
+                dst: d,
+                n: src.bytes() as u64,
+            };
+            let grid = self.grid_for(src.bytes().div_ceil(16), THREADS);
+            // SAFETY: CopyParams is copy_bytes's parameter; ranges checked above.
+            return unsafe { self.launch("copy_bytes", grid, THREADS, &mut p) };
         }
         if !s.is_multiple_of(src.dtype.size() as u64) || !d.is_multiple_of(dst.dtype.size() as u64)
         {
@@ -310,24 +335,35 @@ impl Launcher<'_> {
         unsafe { self.launch(&name, self.grid_for(packs, THREADS), THREADS, &mut p) }
     }
 
-    /// Blocks of one allreduce launch: one per AR_THREADS packs of a block's share, at most
-    /// `comm_blocks`. Depends only on (n, dtype, world, algo, comm_blocks), so every rank of a
-    /// job computes the same grid, which the per-block flags require.
-    pub(crate) fn allreduce_grid(
+    /// The kernel one allreduce runs: (name without the dtype, blocks). One block per
+    /// AR_THREADS work items of a block's share (16-byte packs; 8-byte lines for the
+    /// low-latency oneshot), at most `comm_blocks` for the kernels that wait on peers (their
+    /// blocks must all be resident at once) and MAX_BLOCKS for `host_reduce`. Depends only on
+    /// (n, dtype, world, algo, the layout, comm_blocks, ll), so every rank of a job computes
+    /// the same kernel and grid, which the per-block flags require.
+    pub(crate) fn allreduce_kernel(
         comm_blocks: u32,
+        ll: bool,
+        layout: &CommLayout,
         n: usize,
         dtype: DType,
         world: usize,
         algo: CommAlgo,
-    ) -> u32 {
+    ) -> (&'static str, u32) {
+        let bytes = n * dtype.size();
         let packs = n.div_ceil(16 / dtype.size());
-        let share = match algo {
-            CommAlgo::Oneshot => packs,
-            CommAlgo::Twoshot => packs.div_ceil(world.max(1)),
+        let (name, items, cap) = match algo {
+            CommAlgo::Oneshot if ll && bytes <= layout.ll_bytes => {
+                ("oneshot_ll", bytes.div_ceil(8).max(1), comm_blocks)
+            }
+            CommAlgo::Oneshot => ("oneshot", packs, comm_blocks),
+            CommAlgo::Twoshot => ("twoshot", packs.div_ceil(world.max(1)), comm_blocks),
+            CommAlgo::HostReduce => ("host_reduce", packs, MAX_BLOCKS as u32),
         };
-        share
+        let grid = items
             .div_ceil(AR_THREADS as usize)
-            .clamp(1, comm_blocks.clamp(1, MAX_BLOCKS as u32) as usize) as u32
+            .clamp(1, cap.clamp(1, MAX_BLOCKS as u32) as usize) as u32;
+        (name, grid)
     }
 
     pub(crate) fn allreduce(&self, a: &AllreduceArgs<'_, CudaBuf>) -> Result<()> {
@@ -336,18 +372,20 @@ impl Launcher<'_> {
         // `a.abort` is not looked at: it is host memory (the control block) that a kernel
         // cannot read without registering it; device waits are bounded by `a.timeout`
         // instead, and the caller checks the abort word after `sync`.
-        if a.epoch == 0 {
-            return Err(KernelError::Invalid("allreduce epochs start at 1".into()));
-        }
         let mut p = ArParams {
             comm: [0; MAX_WORLD],
             data: a.data.buf.addr(a.data.offset, bytes)?,
             n: a.data.len as u64,
             data_bytes: a.layout.data_bytes as u64,
+            ll: a.layout.ll_offset(0) as u64,
+            ll_slot_bytes: a.layout.ll_slot_bytes as u64,
+            ll_stride: a.layout.ll_stride as u64,
             timeout_ns: u64::try_from(a.timeout.as_nanos()).unwrap_or(u64::MAX),
             err: self.err_words,
             rank: a.rank as u32,
             world: a.world as u32,
+            // Checked against the device epoch's low 32 bits; 0 (the host's u32 count after a
+            // wrap, or a capture, below) is not checked.
             host_epoch: a.epoch,
             vec: 0,
         };
@@ -374,12 +412,15 @@ impl Launcher<'_> {
         {
             p.host_epoch = 0;
         }
-        let grid =
-            Self::allreduce_grid(self.comm_blocks, a.data.len, a.data.dtype, a.world, a.algo);
-        let algo = match a.algo {
-            CommAlgo::Oneshot => "oneshot",
-            CommAlgo::Twoshot => "twoshot",
-        };
+        let (algo, grid) = Self::allreduce_kernel(
+            self.comm_blocks,
+            self.ll,
+            &a.layout,
+            a.data.len,
+            a.data.dtype,
+            a.world,
+            a.algo,
+        );
         let name = format!("allreduce_{algo}_{}", a.data.dtype);
         // SAFETY: ArParams is allreduce_*'s parameter; every address bounds-checked above; the
         // error words outlive the device, which syncs before dropping them.
@@ -390,6 +431,7 @@ impl Launcher<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::LL_MAX_BYTES;
 
     /// The `#define`s of the .cu sources must equal the Rust mirrors.
     #[test]
@@ -411,11 +453,9 @@ mod tests {
         assert_eq!(def(comm, "TP_MAX_WORLD"), MAX_WORLD.to_string());
         assert_eq!(def(comm, "TP_MAX_BLOCKS"), MAX_BLOCKS.to_string());
         assert_eq!(def(comm, "TP_AR_THREADS"), AR_THREADS.to_string());
-        assert_eq!(def(comm, "TP_SIG_EPOCH"), format!("{SIG_EPOCH}u"));
-        assert_eq!(def(comm, "TP_SIG_DONE"), "(8192u + 64u)");
-        assert_eq!(SIG_DONE, 8192 + 64);
-        assert_eq!(def(comm, "TP_SIG_FLAGS"), "(8192u + 128u)");
-        assert_eq!(SIG_FLAGS, 8192 + 128);
+        assert_eq!(def(comm, "TP_SIG_EPOCHS"), format!("{SIG_EPOCHS}u"));
+        assert_eq!(def(comm, "TP_SIG_FLAGS"), "(8192u + 1024u)");
+        assert_eq!(SIG_FLAGS, 8192 + 1024);
         assert_eq!(def(comm, "TP_SIGNAL_BYTES"), "(256ull * 1024ull)");
         assert_eq!(SIGNAL_BYTES, 256 * 1024);
         assert_eq!(def(comm, "TP_ERR_PEERS"), ERR_PEERS.to_string());
@@ -430,14 +470,51 @@ mod tests {
 
     #[test]
     fn allreduce_grid_is_small_for_decode_and_capped() {
-        let g = |n, d, w, a| Launcher::allreduce_grid(64, n, d, w, a);
-        assert_eq!(g(1, DType::F32, 4, CommAlgo::Oneshot), 1);
+        let big = CommLayout::new(64 << 20, 4);
+        let g = |n, d, w, a| Launcher::allreduce_kernel(64, false, &big, n, d, w, a);
+        assert_eq!(g(1, DType::F32, 4, CommAlgo::Oneshot), ("oneshot", 1));
         // 16 KiB of f32 = 1024 packs = 2 blocks of 512 threads.
-        assert_eq!(g(4096, DType::F32, 4, CommAlgo::Oneshot), 2);
-        assert_eq!(g(64 << 20, DType::BF16, 4, CommAlgo::Twoshot), 64);
+        assert_eq!(g(4096, DType::F32, 4, CommAlgo::Oneshot), ("oneshot", 2));
         assert_eq!(
-            Launcher::allreduce_grid(1000, 1 << 30, DType::F32, 2, CommAlgo::Oneshot),
-            128
+            g(64 << 20, DType::BF16, 4, CommAlgo::Twoshot),
+            ("twoshot", 64)
+        );
+        // host_reduce waits on nobody: not held to comm_blocks.
+        assert_eq!(
+            g(64 << 20, DType::BF16, 4, CommAlgo::HostReduce),
+            ("host_reduce", 128)
+        );
+        assert_eq!(
+            Launcher::allreduce_kernel(
+                1000,
+                false,
+                &big,
+                1 << 30,
+                DType::F32,
+                2,
+                CommAlgo::Oneshot
+            ),
+            ("oneshot", 128)
+        );
+    }
+
+    #[test]
+    fn small_oneshots_take_the_low_latency_kernel_where_it_fits() {
+        let big = CommLayout::new(64 << 20, 4);
+        let g = |l: &CommLayout, n| {
+            Launcher::allreduce_kernel(64, true, l, n, DType::F32, 4, CommAlgo::Oneshot)
+        };
+        // 16 KiB = 2048 lines of 8 bytes = 4 blocks.
+        assert_eq!(g(&big, 4096), ("oneshot_ll", 4));
+        assert_eq!(g(&big, LL_MAX_BYTES / 4), ("oneshot_ll", 16));
+        assert_eq!(g(&big, LL_MAX_BYTES / 4 + 1).0, "oneshot");
+        // A layout for small messages only has room for those.
+        let small = CommLayout::new(1000, 4);
+        assert_eq!(g(&small, 250), ("oneshot_ll", 1));
+        // Twoshot never takes it.
+        assert_eq!(
+            Launcher::allreduce_kernel(64, true, &big, 4096, DType::F32, 4, CommAlgo::Twoshot).0,
+            "twoshot"
         );
     }
 }

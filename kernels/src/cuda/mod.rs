@@ -20,7 +20,7 @@ pub mod program;
 pub mod result;
 pub mod selftest;
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -78,6 +78,12 @@ pub struct CudaDevice {
     sms: u32,
     /// Most blocks one allreduce launch uses; see [`CudaDevice::set_comm_blocks`].
     comm_blocks: AtomicU32,
+    /// Whether small `oneshot` messages take the low-latency kernel; see
+    /// [`CudaDevice::set_low_latency`].
+    ll: AtomicBool,
+    /// Small same-dtype copies as a kernel (default) or always a memcpy (`TPRUN_CUDA_MEMCPY=1`,
+    /// for A/B measurements).
+    small_copy_kernel: bool,
     /// The timeout of the last allreduce queued, for the error message.
     last_timeout_ns: AtomicU64,
     err: HostWords,
@@ -134,6 +140,10 @@ impl CudaDevice {
             info,
             sms,
             comm_blocks: AtomicU32::new(comm_blocks),
+            // TPRUN_CUDA_LL=0 turns the low-latency oneshot off (A/B measurements; every rank
+            // inherits the coordinator's environment, so all ranks agree).
+            ll: AtomicBool::new(std::env::var("TPRUN_CUDA_LL").map_or(true, |v| v != "0")),
+            small_copy_kernel: std::env::var("TPRUN_CUDA_MEMCPY").map_or(true, |v| v != "1"),
             last_timeout_ns: AtomicU64::new(0),
             err,
             kernels,
@@ -195,6 +205,20 @@ impl CudaDevice {
             .store(n.clamp(1, launch::MAX_BLOCKS as u32), Ordering::Relaxed);
     }
 
+    /// Whether `oneshot` runs the low-latency kernel for messages of up to
+    /// `CommLayout::ll_bytes` (default on; `TPRUN_CUDA_LL=0` in the environment turns it off).
+    pub fn low_latency(&self) -> bool {
+        // Relaxed: a plain setting, like comm_blocks.
+        self.ll.load(Ordering::Relaxed)
+    }
+
+    /// Turns the low-latency `oneshot` on or off. Every rank of a job must agree (the two
+    /// kernels do not meet each other).
+    pub fn set_low_latency(&self, on: bool) {
+        // Relaxed: a plain setting read at the next launch by the thread that queues it.
+        self.ll.store(on, Ordering::Relaxed);
+    }
+
     /// (kernel, blocks per SM) of every allreduce kernel, for `tprun info` and tuning notes.
     pub fn allreduce_occupancy(&self) -> Result<Vec<(String, u32)>> {
         self.kernels.allreduce_occupancy()
@@ -224,6 +248,8 @@ impl CudaDevice {
             kernels: &self.kernels,
             sms: self.sms,
             comm_blocks: self.comm_blocks(),
+            ll: self.low_latency(),
+            small_copy_kernel: self.small_copy_kernel,
             err_words: self.err.device_addr(),
         }
     }

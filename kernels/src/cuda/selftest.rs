@@ -192,7 +192,7 @@ impl LocalWorld {
         let devs = (0..world)
             .map(|_| CudaDevice::new(ordinal, mode))
             .collect::<Result<Vec<_>>>()?;
-        let layout = CommLayout::new(max_bytes);
+        let layout = CommLayout::new(max_bytes, world);
         let mut own = Vec::new();
         let mut exports = Vec::new();
         for d in &devs {
@@ -249,7 +249,8 @@ impl LocalWorld {
     }
 
     /// One allreduce of `inputs[r]` on every rank (each payload shifted by `off` bytes in its
-    /// buffer); returns every rank's result, or the first error.
+    /// buffer); returns every rank's result, or the first error. For `HostReduce` each rank
+    /// first copies its input into its slot and synchronises, as the `host` algorithm does.
     pub fn allreduce(
         &mut self,
         algo: CommAlgo,
@@ -277,6 +278,13 @@ impl LocalWorld {
                         let g = Guarded::new(dev, inputs[r].len(), off);
                         let g = g.and_then(|g| {
                             dev.write(&g.buf, g.start, &inputs[r])?;
+                            if algo == CommAlgo::HostReduce {
+                                let slot = this.layout.slot_offset(epoch);
+                                dev.run(&Op::Copy {
+                                    src: g.view(n, dtype),
+                                    dst: View::new(&this.own[r], slot, n, dtype),
+                                })?;
+                            }
                             dev.sync()?;
                             Ok(g)
                         });
@@ -400,7 +408,8 @@ pub fn allreduce_sizes() -> Vec<usize> {
 }
 
 /// Runs every GPU op on device `ordinal` against its CPU twin: copies between all dtypes,
-/// reduce_sum of 1..=5 inputs, and oneshot/twoshot allreduce for 1..=4 ranks of this process
+/// reduce_sum of 1..=5 inputs, and allreduce (oneshot with and without the low-latency kernel,
+/// twoshot, the host algorithm's reduce) for 1..=4 ranks of this process
 /// (see the module docs), f32/f16/bf16, many sizes. `Unavailable` when there is no GPU.
 pub fn selftest(ordinal: usize, mode: IpcMode, seed: u64) -> Result<Vec<SelftestResult>> {
     let mut out = Vec::new();
@@ -491,7 +500,16 @@ pub fn selftest(ordinal: usize, mode: IpcMode, seed: u64) -> Result<Vec<Selftest
         // A broken protocol fails every call after waiting out the timeout: give up on this
         // world after a few failures rather than spend minutes proving it.
         let mut failed = 0;
-        for algo in [CommAlgo::Oneshot, CommAlgo::Twoshot] {
+        let algos = [
+            (CommAlgo::Oneshot, true, "oneshot"),
+            (CommAlgo::Oneshot, false, "oneshot (flags)"),
+            (CommAlgo::Twoshot, false, "twoshot"),
+            (CommAlgo::HostReduce, false, "host"),
+        ];
+        for (algo, ll, name) in algos {
+            for d in &w.devs {
+                d.set_low_latency(ll);
+            }
             for dtype in DType::ALL {
                 for (i, &n) in sizes.iter().enumerate() {
                     if failed >= 3 {
@@ -520,10 +538,6 @@ pub fn selftest(ordinal: usize, mode: IpcMode, seed: u64) -> Result<Vec<Selftest
                         })
                         .unwrap_or_default();
                     failed += usize::from(!detail.is_empty());
-                    let name = match algo {
-                        CommAlgo::Oneshot => "oneshot",
-                        CommAlgo::Twoshot => "twoshot",
-                    };
                     out.push(SelftestResult {
                         op: format!("allreduce {name} world {world}"),
                         dtype,
@@ -855,15 +869,23 @@ mod tests {
                     let algbw = bytes as f64 / s / 1e9;
                     let busbw = algbw * 2.0 * (world as f64 - 1.0) / world as f64;
                     // Device-memory bytes all ranks move per call (they share one GPU here):
-                    // oneshot, per rank: copy-in read + write S, read world * S, write S;
+                    // oneshot, per rank: copy-in read + write S, read world * S, write S
+                    // (low-latency kernel, up to ll_bytes: read S twice, write S, and per
+                    // peer 2S stored, 2S polled, 2S cleared);
                     // twoshot, per rank: copy-in 2S, reduce S + 2S/world, gather
                     // 2S (world - 1)/world.
                     let (wf, sz) = (world as f64, bytes as f64);
                     let moved = match algo {
+                        CommAlgo::Oneshot
+                            if w.devs[0].low_latency() && bytes <= w.layout.ll_bytes =>
+                        {
+                            wf * (3.0 + 6.0 * (wf - 1.0)) * sz
+                        }
                         CommAlgo::Oneshot => wf * (3.0 + wf) * sz,
                         CommAlgo::Twoshot => {
                             wf * (3.0 * sz + 2.0 * sz / wf + 2.0 * sz * (wf - 1.0) / wf)
                         }
+                        CommAlgo::HostReduce => unreachable!("not timed here"),
                     };
                     println!(
                         "TIMING {name} world {world} blocks {blocks} {dtype} {bytes} B: {:.2} us/call, algbw {algbw:.1} GB/s, busbw {busbw:.1} GB/s, device memory {:.2} TB/s",

@@ -1,33 +1,50 @@
-// comm.cu: the peer-buffer allreduce kernels, `oneshot` and `twoshot` (Op::Allreduce).
+// comm.cu: the peer-buffer allreduce kernels (Op::Allreduce): `oneshot` (flag-and-slot, and
+// the low-latency one for small messages), `twoshot`, and `host_reduce`, the device half of
+// the `host` algorithm.
 //
 // CPU twin: kernels/src/cpu/allreduce.rs. Same buffer layout (kernels/src/comm.rs): a signal
-// area, then data slots 0 and 1; call `epoch` uses slot epoch % 2. What the GPU adds, and the
+// area, data slots 0 and 1, low-latency slots 0 and 1; call `epoch` uses slots epoch % 2.
+// What the GPU adds, and the
 // Rust side mirrors in kernels/src/cuda/launch.rs (with compile-time checks):
 //
 // Signal area of each rank's comm buffer (GPU backends; the CPU backend's 8 KiB of
 // (phase, sender) lines at 0..8192 are left unused so an offset never has two meanings):
 //
-//   8192            u32 epoch   the last epoch this rank completed (device-resident counter)
-//   8192 + 64       u32 done    blocks of the running launch that have finished (own line:
-//                               every block hits it with an atomic at its end)
-//   8192 + 128 + ((phase * MAX_BLOCKS + block) * MAX_WORLD + sender) * 4
-//                   u32 flag    raised by `sender`'s block `block` in this (the receiver's)
-//                               area by storing the epoch; 2 * 128 * 64 * 4 = 64 KiB
+//   8192 + 8 * b    u64 epoch   per block b < TP_MAX_BLOCKS: the last epoch this rank
+//                               completed (device-resident counters, all equal between calls)
+//   9216 + ((phase * MAX_BLOCKS + block) * MAX_WORLD + sender) * 8
+//                   u64 flag    raised by `sender`'s block `block` in this (the receiver's)
+//                               area by storing the epoch; 2 * 128 * 64 * 8 = 128 KiB
+//
+// Epochs are 64-bit on the device: they never wrap, so a flag left unraised for any number of
+// calls (a block beyond a smaller grid, a phase that oneshot, host and the low-latency kernel
+// do not use) can never pass for a current one. The host's u32 count is checked against the
+// low 32 bits; slots go by parity, the same in both.
 //
 // Flags are per block: block b of every rank handles the same packs in every phase (the
 // split depends only on n, world and the grid size, which all ranks compute alike), so block
 // b waits only for the peers' blocks b, never for a whole peer grid: no grid-wide barrier.
-// A sender's flags for one block sit next to the other senders' (256 bytes per block):
+// A sender's flags for one block sit next to the other senders' (512 bytes per block):
 // the receiver's polling threads read one contiguous run, and GPUs write with byte masks,
 // so neighbouring senders do not clobber each other (the CPU backend needs 64-byte lines).
 //
-// Where the epoch comes from (graph capture): the kernel reads it from the device-resident
-// counter in its own signal area (counter + 1) and the last block to finish advances the
-// counter, so a captured launch replays with a fresh epoch every time. The host still passes
-// AllreduceArgs::epoch; when it is non-zero the kernel checks it equals the device epoch and
+// Where the epoch comes from (graph capture): block b reads it from its own counter b in our
+// signal area (counter + 1) and advances that counter when it is done, so a captured launch
+// replays with a fresh epoch every time, with no atomic and no cross-block step. A launch of
+// g blocks must leave all TP_MAX_BLOCKS counters equal (the next launch may use more blocks),
+// so block b also advances the counters of the blocks this launch does not run: b + g,
+// b + 2g, ... Nobody reads those in this launch. The host still passes
+// AllreduceArgs::epoch; when it is non-zero block 0 checks it equals the device epoch and
 // reports a mismatch (the host turns that into KernelError::Invalid); the host passes 0 while
-// the stream is being captured. The counter starts at 0 because shared buffers are zeroed,
+// the stream is being captured. The counters start at 0 because shared buffers are zeroed,
 // so the first call is epoch 1, as comm.rs specifies.
+//
+// Low-latency region (CommLayout::ll_offset, after the data slots; two slots by epoch parity,
+// one region of ll_stride bytes per sender): the `oneshot` of small messages sends data and
+// flag together. A 16-byte line carries 8 bytes of the message as two 8-byte words
+// (4 data bytes | flag << 32), stored into the receiver's region by the sender and polled
+// there by the receiver: one remote store and one local poll per call, no fence and no
+// separate flag (see oneshot_ll for the ordering argument).
 //
 // Waits are bounded: a thread that polls a flag longer than timeout_ns writes the peer and the
 // epoch into the host-mapped error words and stops waiting (the results are then garbage, and
@@ -43,10 +60,10 @@
 // 64 KiB of the 256 KiB signal area, and 128 is about one block per SM on an H100/H200
 // (132 SMs), past which more blocks only add flag traffic.
 #define TP_MAX_BLOCKS 128
-#define TP_SIG_EPOCH 8192u
-#define TP_SIG_DONE (8192u + 64u)
-#define TP_SIG_FLAGS (8192u + 128u)
-// Threads per allreduce block. Must be >= TP_MAX_WORLD (threads 0..world-1 signal and poll).
+#define TP_SIG_EPOCHS 8192u
+#define TP_SIG_FLAGS (8192u + 1024u)
+// Threads per allreduce block. Must be >= TP_MAX_WORLD (threads 0..world-1 signal and poll)
+// and >= TP_MAX_BLOCKS (tp_end: one epoch counter per thread).
 // 512: a block then covers 8 KiB of f32 packs per pass; few blocks keep the flag traffic of
 // small (decode-sized) messages low while large messages still get 128 * 512 threads.
 #define TP_AR_THREADS 512
@@ -66,73 +83,84 @@
 #define TP_ERR_TIMEOUT 1u
 #define TP_ERR_EPOCH 2u
 
-// Arguments of allreduce_*: 64 * 8 + 5 * 8 + 4 * 4 = 568 bytes.
+// Arguments of allreduce_*: 64 * 8 + 8 * 8 + 4 * 4 = 592 bytes.
 struct ArParams {
     u64 comm[TP_MAX_WORLD];  // every rank's comm buffer, mapped into this process
     u64 data;                // this rank's data (in: partial, out: the sum)
     u64 n;                   // elements
     u64 data_bytes;          // CommLayout::data_bytes (one slot's size)
+    u64 ll;                  // CommLayout::ll_offset(0): low-latency slot 0
+    u64 ll_slot_bytes;       // CommLayout::ll_slot_bytes (one low-latency slot)
+    u64 ll_stride;           // CommLayout::ll_stride (one sender's region in a slot)
     u64 timeout_ns;          // longest wait for one flag
     u64 err;                 // device address of the host-mapped error words
     u32 rank;
     u32 world;
-    u32 host_epoch;          // AllreduceArgs::epoch, or 0 = do not check (graph capture)
+    u32 host_epoch;          // AllreduceArgs::epoch (the device epoch's low 32 bits), or
+                             // 0 = do not check (graph capture, or the host count wrapped)
     u32 vec;                 // 1 when data and every comm buffer are 16-byte aligned
 };
 
-TP_DEV u32* tp_sig(u64 comm, u64 off) { return (u32*)(comm + off); }
 
-TP_DEV u64 tp_flag_off(u32 phase, u32 block, u32 sender) {
-    return TP_SIG_FLAGS + ((u64)(phase * TP_MAX_BLOCKS + block) * TP_MAX_WORLD + sender) * 4;
+TP_DEV u64* tp_flag(u64 comm, u32 phase, u32 block, u32 sender) {
+    return (u64*)(comm + TP_SIG_FLAGS +
+                  ((u64)(phase * TP_MAX_BLOCKS + block) * TP_MAX_WORLD + sender) * 8);
 }
 
-// True once the epoch counter `flag` has reached `epoch`; wraps at 2^32 like the CPU's
-// `reached` (peers are at most one call apart).
-TP_DEV bool tp_reached(u32 flag, u32 epoch) { return (int)(flag - epoch) >= 0; }
+// True once the flag has reached `epoch` (a fast peer may already be one call ahead). 64-bit
+// epochs never wrap, so a flag that nobody raised for any number of calls (blocks beyond a
+// small grid, phases a call does not use) still reads as old.
+TP_DEV bool tp_reached(u64 flag, u64 epoch) { return flag >= epoch; }
 
-// Reads this call's epoch (thread 0), checks it against the host's, and shares it with the
-// block.
-TP_DEV u32 tp_begin(const ArParams& a) {
-    __shared__ u32 s_epoch;
-    if (threadIdx.x == 0) {
-        // Relaxed: the counter is written only by the previous launch on this stream, and a
-        // kernel boundary orders all of its writes before all of our reads. It publishes
-        // nothing else.
-        const u32 e = tp_ld_relaxed(tp_sig(a.comm[a.rank], TP_SIG_EPOCH)) + 1;
-        if (a.host_epoch != 0 && a.host_epoch != e) {
-            volatile u32* err = (volatile u32*)a.err;
-            err[TP_ERR_DEV_EPOCH] = e;
-            err[TP_ERR_HOST_EPOCH] = a.host_epoch;
-            // The code last, after a fence, so a host that sees the code sees the epochs.
-            tp_fence_sys();
-            err[TP_ERR_CODE] = TP_ERR_EPOCH;
-        }
-        s_epoch = e;
-    }
-    __syncthreads();
-    return s_epoch;
+TP_DEV u64* tp_epoch_counter(const ArParams& a, u32 block) {
+    return (u64*)(a.comm[a.rank] + TP_SIG_EPOCHS + 8u * block);
 }
 
-// Counts this block as finished; the last block advances the epoch counter.
-TP_DEV void tp_end(const ArParams& a, u32 e) {
-    // Every thread of the block is past its last access of this call (and of s_epoch).
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        u32* done = tp_sig(a.comm[a.rank], TP_SIG_DONE);
-        // acq_rel, GPU scope: the release orders this block's read of the epoch counter (in
-        // tp_begin) before its count; the block that brings the count to gridDim.x acquires
-        // every other block's count, so every block has read the counter before it is
-        // advanced below. Relaxed could let the advance overtake a slow block's read, which
-        // would then use epoch + 1. GPU scope suffices: only this launch's blocks, on this
-        // device, touch `done`.
-        const u32 prev = tp_atomic_add_acq_rel_gpu(done, 1u);
-        if (prev == gridDim.x - 1) {
-            // Relaxed: nobody else touches these words in this launch any more; the next
-            // launch on this stream sees them through the kernel boundary.
-            tp_st_relaxed(done, 0u);
-            tp_st_relaxed(tp_sig(a.comm[a.rank], TP_SIG_EPOCH), e);
-        }
+// This call's epoch, read by every thread from its block's counter (one broadcast load per
+// warp, no __syncthreads before the first use); block 0 checks it against the host's.
+TP_DEV u64 tp_begin(const ArParams& a) {
+    // Relaxed: counter b is written only by block b (or a block of a smaller grid standing in
+    // for it) of an earlier launch on this stream, and a kernel boundary orders all of that
+    // launch's writes before all of ours. It publishes nothing else.
+    const u64 e = tp_ld_relaxed(tp_epoch_counter(a, blockIdx.x)) + 1;
+    if (blockIdx.x == 0 && threadIdx.x == 0 && a.host_epoch != 0 && a.host_epoch != (u32)e) {
+        volatile u32* err = (volatile u32*)a.err;
+        err[TP_ERR_DEV_EPOCH] = (u32)e;
+        err[TP_ERR_HOST_EPOCH] = a.host_epoch;
+        // The code last, after a fence, so a host that sees the code sees the epochs.
+        tp_fence_sys();
+        err[TP_ERR_CODE] = TP_ERR_EPOCH;
     }
+    return e;
+}
+
+// Advances this block's counter (and those of the blocks this launch does not run, see the
+// top of the file) to `e`: thread t writes counter b + t * gridDim.x, so a small grid's tail
+// is one store per thread, not a loop of TP_MAX_BLOCKS stores in one thread.
+TP_DEV void tp_end(const ArParams& a, u64 e) {
+    // Every thread of the block has loaded counter b (its value was used, so the load is
+    // complete) before any thread overwrites it: bar.sync orders the two within the block.
+    __syncthreads();
+    const u32 b = blockIdx.x + threadIdx.x * gridDim.x;
+    // Relaxed: nobody else touches these words in this launch; the next launch on this
+    // stream sees them through the kernel boundary.
+    if (b < TP_MAX_BLOCKS) tp_st_relaxed(tp_epoch_counter(a, b), e);
+}
+
+// Called by a poller every 256 polls: false when it must stop waiting, because another
+// poller (any block, any call queued before) already failed, or because its own deadline has
+// passed, which it then reports (results are garbage either way; the host fails the call).
+TP_DEV bool tp_keep_waiting(const ArParams& a, u32 peer, u64 e, u64 deadline) {
+    volatile u32* err = (volatile u32*)a.err;
+    // Volatile read of host memory.
+    if (err[TP_ERR_CODE] == TP_ERR_TIMEOUT) return false;
+    if (tp_time_ns() <= deadline) return true;
+    err[TP_ERR_PEERS + peer] = 1u;
+    err[TP_ERR_DEV_EPOCH] = (u32)e;
+    // The details before the code (host reads after a stream sync anyway).
+    tp_fence_sys();
+    err[TP_ERR_CODE] = TP_ERR_TIMEOUT;
+    return false;
 }
 
 // Block b of this rank meets block b of every peer for `phase` of call `e`.
@@ -140,7 +168,7 @@ TP_DEV void tp_end(const ArParams& a, u32 e) {
 // Before: this block's writes to our own data slot (phase 0) or our reduced shard (phase 1)
 // must be visible to the peers' blocks b when they pass this barrier. After: the peers'
 // matching writes must be visible to every thread of this block.
-TP_DEV void tp_barrier(const ArParams& a, u32 phase, u32 e) {
+TP_DEV void tp_barrier(const ArParams& a, u32 phase, u64 e) {
     // (1) bar.sync orders every thread's earlier slot writes before thread t's release below
     // (PTX memory model: causality order is transitive through the CTA barrier, and a release
     // is cumulative), so one thread's flag publishes the whole block's writes.
@@ -151,10 +179,9 @@ TP_DEV void tp_barrier(const ArParams& a, u32 phase, u32 e) {
         // another GPU; a GPU-scope release would order our slot writes only for observers on
         // this device, and a relaxed store could let the flag overtake them (vLLM's
         // custom_all_reduce.cuh st_flag_release makes the same argument).
-        tp_st_release_sys(tp_sig(a.comm[t], tp_flag_off(phase, blockIdx.x, a.rank)), e);
-        const u32* mine = tp_sig(a.comm[a.rank], tp_flag_off(phase, blockIdx.x, t));
+        tp_st_release_sys(tp_flag(a.comm[t], phase, blockIdx.x, a.rank), e);
+        const u64* mine = tp_flag(a.comm[a.rank], phase, blockIdx.x, t);
         const u64 deadline = tp_time_ns() + a.timeout_ns;
-        volatile u32* err = (volatile u32*)a.err;
         u32 spins = 0;
         // Acquire, system scope: pairs with peer t's release of this flag; everything peer t's
         // block b wrote before raising it is visible to this thread once we see `e` (or later:
@@ -162,19 +189,7 @@ TP_DEV void tp_barrier(const ArParams& a, u32 phase, u32 e) {
         // A relaxed poll would need a fence after the loop; an acquire load says it in place.
         while (!tp_reached(tp_ld_acquire_sys(mine), e)) {
             // Every 256 polls (~tens of microseconds), look at the clock and at the error word.
-            if ((++spins & 255u) == 0) {
-                // Volatile read of host memory: another poller (any block, any call queued
-                // before) already failed, so waiting on is pointless.
-                if (err[TP_ERR_CODE] == TP_ERR_TIMEOUT) break;
-                if (tp_time_ns() > deadline) {
-                    err[TP_ERR_PEERS + t] = 1u;
-                    err[TP_ERR_DEV_EPOCH] = e;
-                    // The details before the code (host reads after a stream sync anyway).
-                    tp_fence_sys();
-                    err[TP_ERR_CODE] = TP_ERR_TIMEOUT;
-                    break;
-                }
-            }
+            if ((++spins & 255u) == 0 && !tp_keep_waiting(a, t, e, deadline)) break;
         }
     }
     // (2) bar.sync extends the pollers' acquires to the whole block (same transitivity as (1)),
@@ -182,21 +197,21 @@ TP_DEV void tp_barrier(const ArParams& a, u32 phase, u32 e) {
     __syncthreads();
 }
 
-TP_DEV u64 tp_slot(const ArParams& a, u32 e) {
-    return TP_SIGNAL_BYTES + (u64)(e & 1u) * a.data_bytes;
+TP_DEV u64 tp_slot(const ArParams& a, u64 e) {
+    return TP_SIGNAL_BYTES + (e & 1u) * a.data_bytes;
 }
 
 // oneshot: copy our input into our slot; meet; every rank reduces every element, reading all
 // slots in rank order (rank order is never rotated, so every rank gets the same bits).
 template <class D, bool VEC>
 TP_DEV void oneshot(const ArParams& a) {
-    const u32 e = tp_begin(a);
+    const u64 e = tp_begin(a);
     const u64 slot = tp_slot(a, e);
     const TpRange r = tp_split(tp_packs(a.n, D::V), gridDim.x, blockIdx.x);
     u8* data = (u8*)a.data;
     u8* mine = (u8*)(a.comm[a.rank] + slot);
-    // Our slot is free: peers last read it in call e - 2, and each of them raised its flag for
-    // call e - 1 (which we waited for) only after finishing e - 2 (comm.rs, two slots).
+    // Our slot is free: peers last read it in call e - 2, and each of them signalled call
+    // e - 1 (which we waited for) only after finishing e - 2 (comm.rs, two slots).
     for (u64 k = r.start + threadIdx.x; k < r.end; k += blockDim.x)
         copy_pack<D, VEC>(data, mine, k, a.n);
     tp_barrier(a, 0, e);
@@ -211,7 +226,7 @@ TP_DEV void oneshot(const ArParams& a) {
 // every rank), so block b only ever needs the peers' blocks b.
 template <class D, bool VEC>
 TP_DEV void twoshot(const ArParams& a) {
-    const u32 e = tp_begin(a);
+    const u64 e = tp_begin(a);
     const u64 slot = tp_slot(a, e);
     const u64 packs = tp_packs(a.n, D::V);
     u8* data = (u8*)a.data;
@@ -246,6 +261,145 @@ TP_DEV void twoshot(const ArParams& a) {
     tp_end(a, e);
 }
 
+// ---- oneshot, low-latency (small messages) ------------------------------------------------
+//
+// Every rank stores its message, 8 bytes per 16-byte line with the flag beside each 4 bytes,
+// straight into every peer's low-latency slot (region `rank`), then polls its own slot until
+// every peer's lines carry this call's flag, and sums in rank order (its own part from its
+// registers' source, `data`). No fence, no flag of its own, no __syncthreads on the way:
+// one remote store, one local poll.
+//
+// Ordering argument. The reader needs, for each 8-byte word it reads, the data the sender
+// stored in that word for this call. Data and flag travel in the same naturally aligned
+// 8-byte store, which is single-copy atomic, and the poll loads that same 8-byte word: a
+// load that returns this call's flag returns this call's data with it. Nothing else is
+// published, so relaxed (volatile) accesses suffice; both words of a line are checked because
+// the 16-byte pair is not atomic as a whole.
+//
+// Reuse. Line slot e % 2 of receiver q is written by sender r in call e only after r has
+// had q's signal for call e - 1 (lines, flags, or the host barrier: every algorithm waits
+// for every peer, an empty message included), and q sends that only after its call e - 2,
+// which consumed slot e % 2, has ended (stream order).
+//
+// Stale flags. A consumed line is cleared (flag 0) by its reader, so a line holds either 0 or
+// the flag of the call that is now reading it, never a flag left from 2^32 calls ago that
+// happens to match after the flag's 32 bits wrap. The clear is a local store of the reader's
+// kernel e, which completes (the kernel's stores are performed) before the reader's call
+// e + 1 sends the signal (lines, flags, or its host barrier) that lets a sender write this
+// slot again in e + 2. (That step rests on kernel completion performing the kernel's stores,
+// a hardware guarantee that NCCL's low-latency protocol leans on too, where the flag path's
+// release/acquire pairs have a formal one in the PTX memory model.) Flags are never 0: call
+// epoch 0 (after a wrap) uses flag 1, which differs from epoch 1's in slot parity.
+TP_DEV u32 tp_ll_flag(u64 e) { return (u32)e != 0u ? (u32)e : 1u; }
+TP_DEV u64 tp_ll_word(u32 data, u32 flag) { return (u64)data | ((u64)flag << 32); }
+
+// Word w (4 bytes) of a message of `bytes` bytes at `p`, zero past the end. 4-byte loads
+// where the address allows; f16/bf16 views may be only 2-byte aligned (f32 always are 4).
+TP_DEV u32 tp_ld_msg_word(const u8* p, u64 w, u64 bytes) {
+    const u64 b = w * 4;
+    if (b >= bytes) return 0u;
+    if (((u64)(p + b) & 3u) == 0 && b + 4 <= bytes) return *(const u32*)(p + b);
+    const u32 lo = *(const u16*)(p + b);
+    const u32 hi = b + 2 < bytes ? (u32)*(const u16*)(p + b + 2) : 0u;
+    return lo | (hi << 16);
+}
+TP_DEV void tp_st_msg_word(u8* p, u64 w, u64 bytes, u32 v) {
+    const u64 b = w * 4;
+    if (b >= bytes) return;
+    if (((u64)(p + b) & 3u) == 0 && b + 4 <= bytes) {
+        *(u32*)(p + b) = v;
+        return;
+    }
+    *(u16*)(p + b) = (u16)(v & 0xffffu);
+    if (b + 2 < bytes) *(u16*)(p + b + 2) = (u16)(v >> 16);
+}
+
+// Waits until line `l` (in our own slot) carries `flag` in both words, returns its data words
+// and clears it. A timed-out wait returns garbage (the host fails the call).
+TP_DEV void tp_ll_recv(const ArParams& a, u64* l, u32 flag, u32 peer, u64 e, u32& w0, u32& w1) {
+    u64 x0, x1;
+    tp_ld_ll(l, x0, x1);
+    if ((u32)(x0 >> 32) != flag || (u32)(x1 >> 32) != flag) {
+        const u64 deadline = tp_time_ns() + a.timeout_ns;
+        u32 spins = 0;
+        do {
+            if ((++spins & 255u) == 0 && !tp_keep_waiting(a, peer, e, deadline)) break;
+            tp_ld_ll(l, x0, x1);
+        } while ((u32)(x0 >> 32) != flag || (u32)(x1 >> 32) != flag);
+    }
+    w0 = (u32)x0;
+    w1 = (u32)x1;
+    tp_st_ll(l, 0ull, 0ull);
+}
+
+template <class D>
+TP_DEV void oneshot_ll(const ArParams& a) {
+    const u64 e = tp_begin(a);
+    const u32 flag = tp_ll_flag(e);
+    const u64 bytes = a.n * D::SIZE;
+    // At least one line, so that even an empty message meets every peer (the reuse argument
+    // above needs every call to wait for every peer).
+    const u64 lines = bytes == 0 ? 1 : (bytes + 7) / 8;
+    const u64 slot = a.ll + (e & 1u) * a.ll_slot_bytes;
+    u8* data = (u8*)a.data;
+    const u64 step = (u64)gridDim.x * blockDim.x;
+    const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    // Send every line we own to every peer first, so that all stores are in flight before
+    // the first poll.
+    for (u64 k = first; k < lines; k += step) {
+        const u32 w0 = tp_ld_msg_word(data, 2 * k, bytes);
+        const u32 w1 = tp_ld_msg_word(data, 2 * k + 1, bytes);
+        for (u32 p = 0; p < a.world; ++p) {
+            if (p == a.rank) continue;
+            u64* l = (u64*)(a.comm[p] + slot + (u64)a.rank * a.ll_stride + k * 16);
+            tp_st_ll(l, tp_ll_word(w0, flag), tp_ll_word(w1, flag));
+        }
+    }
+    constexpr int E = 2 * D::PER_WORD;  // elements per line
+    for (u64 k = first; k < lines; k += step) {
+        float acc[E];
+        for (u32 p = 0; p < a.world; ++p) {
+            u32 w0, w1;
+            if (p == a.rank) {
+                // Our own part, read again: this thread is the only one that writes line k of
+                // `data`, and it does so below, after the last source.
+                w0 = tp_ld_msg_word(data, 2 * k, bytes);
+                w1 = tp_ld_msg_word(data, 2 * k + 1, bytes);
+            } else {
+                u64* l = (u64*)(a.comm[a.rank] + slot + (u64)p * a.ll_stride + k * 16);
+                tp_ll_recv(a, l, flag, p, e, w0, w1);
+            }
+            float x[E];
+            D::unword(w0, x);
+            D::unword(w1, x + D::PER_WORD);
+            // Rank order, accumulator starting at rank 0's value: elem.h's sum order.
+#pragma unroll
+            for (int j = 0; j < E; ++j) acc[j] = p == 0 ? x[j] : acc[j] + x[j];
+        }
+        tp_st_msg_word(data, 2 * k, bytes, D::word(acc));
+        tp_st_msg_word(data, 2 * k + 1, bytes, D::word(acc + D::PER_WORD));
+    }
+    tp_end(a, e);
+}
+
+// ---- the device half of `host` ---------------------------------------------------------
+//
+// The host copied every rank's input into its slot for epoch e, synchronised its stream and
+// met the others at a host barrier (a completed, synchronised copy is visible to any later
+// launch, on this GPU or a peer), so this kernel only sums the slots in rank order into
+// `data` and counts the call on the device, so that all algorithms share one epoch sequence.
+template <class D, bool VEC>
+TP_DEV void host_reduce(const ArParams& a) {
+    const u64 e = tp_begin(a);
+    const u64 slot = tp_slot(a, e);
+    auto src = [&](int p) { return (const u8*)(a.comm[p] + slot); };
+    const u64 packs = tp_packs(a.n, D::V);
+    const u64 step = (u64)gridDim.x * blockDim.x;
+    for (u64 k = (u64)blockIdx.x * blockDim.x + threadIdx.x; k < packs; k += step)
+        sum_pack<D, VEC>(src, (int)a.world, (u8*)a.data, (u8*)0, k, a.n);
+    tp_end(a, e);
+}
+
 #define TP_ALLREDUCE(algo, dn, D)                                                      \
     extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_AR_THREADS, TP_AR_MIN_BLOCKS)          \
         allreduce_##algo##_##dn(ArParams a) {                                          \
@@ -261,3 +415,15 @@ TP_ALLREDUCE(oneshot, bf16, BF16)
 TP_ALLREDUCE(twoshot, f32, F32)
 TP_ALLREDUCE(twoshot, f16, F16)
 TP_ALLREDUCE(twoshot, bf16, BF16)
+TP_ALLREDUCE(host_reduce, f32, F32)
+TP_ALLREDUCE(host_reduce, f16, F16)
+TP_ALLREDUCE(host_reduce, bf16, BF16)
+
+#define TP_ALLREDUCE_LL(dn, D)                                                         \
+    extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_AR_THREADS, TP_AR_MIN_BLOCKS)          \
+        allreduce_oneshot_ll_##dn(ArParams a) {                                        \
+        oneshot_ll<D>(a);                                                              \
+    }
+TP_ALLREDUCE_LL(f32, F32)
+TP_ALLREDUCE_LL(f16, F16)
+TP_ALLREDUCE_LL(bf16, BF16)

@@ -23,6 +23,9 @@ struct alignas(16) V16 {
 struct F32 {
     static constexpr int V = 4;
     static constexpr int SIZE = 4;
+    static constexpr int PER_WORD = 1;  // elements in one 32-bit word
+    TP_DEV static void unword(u32 w, float* f) { f[0] = tp_f32_from_bits(w); }
+    TP_DEV static u32 word(const float* f) { return tp_f32_bits(f[0]); }
     TP_DEV static float get(const u8* base, u64 i) { return *(const float*)(base + i * 4); }
     TP_DEV static void put(u8* base, u64 i, float v) { *(float*)(base + i * 4) = v; }
     TP_DEV static void unpack(const V16& p, float* f) {
@@ -43,6 +46,12 @@ template <class C>
 struct Half16 {
     static constexpr int V = 8;
     static constexpr int SIZE = 2;
+    static constexpr int PER_WORD = 2;  // element 2j in the low half, as in a pack
+    TP_DEV static void unword(u32 w, float* f) {
+        f[0] = C::to((u16)(w & 0xffffu));
+        f[1] = C::to((u16)(w >> 16));
+    }
+    TP_DEV static u32 word(const float* f) { return (u32)C::from(f[0]) | ((u32)C::from(f[1]) << 16); }
     TP_DEV static float get(const u8* base, u64 i) { return C::to(*(const u16*)(base + i * 2)); }
     TP_DEV static void put(u8* base, u64 i, float v) { *(u16*)(base + i * 2) = C::from(v); }
     TP_DEV static void unpack(const V16& p, float* f) {

@@ -71,8 +71,17 @@ TP_DEV float tp_wave_sum(float v) {
 TP_DEV float tp_f32_from_bits(u32 b) { return __uint_as_float(b); }
 TP_DEV u32 tp_f32_bits(float f) { return __float_as_uint(f); }
 
-// f16 (IEEE binary16) -> f32: exact.
+// f16 (IEEE binary16) -> f32: exact. On CUDA the hardware conversion (one instruction,
+// exact for every finite value and infinity) takes everything but NaN, whose payload the
+// software path below keeps the way the CPU twin does.
 TP_DEV float tp_f16_to_f32(u16 h) {
+#if defined(TP_CUDA)
+    if ((h & 0x7c00u) != 0x7c00u || (h & 0x3ffu) == 0) {
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+        return f;
+    }
+#endif
     u32 sign = (u32)(h & 0x8000u) << 16;
     u32 exp = (h >> 10) & 0x1fu;
     u32 man = h & 0x3ffu;
@@ -95,6 +104,15 @@ TP_DEV float tp_f16_to_f32(u16 h) {
 // NaN stays NaN with the quiet bit set, overflow goes to inf, tiny values to (signed) zero.
 TP_DEV u16 tp_f32_to_f16(float f) {
     u32 x = tp_f32_bits(f);
+#if defined(TP_CUDA)
+    // Round-to-nearest-even in hardware for everything but NaN: IEEE rounding, with overflow
+    // to infinity and correctly rounded subnormals (no .ftz), which is the case split below.
+    if ((x & 0x7fffffffu) <= 0x7f800000u) {
+        u16 h;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+        return h;
+    }
+#endif
     u32 sign = (x & 0x80000000u) >> 16;
     u32 exp = x & 0x7f800000u;
     u32 man = x & 0x007fffffu;
@@ -140,43 +158,49 @@ TP_DEV u16 tp_f32_to_bf16(float f) {
 // Store `v` to *p with release semantics at system scope: every write this thread made before
 // (and, through a preceding __syncthreads, every write of its block; PTX causality order is
 // transitive through bar.sync) is visible to a thread that reads `v` with tp_ld_acquire_sys.
-TP_DEV void tp_st_release_sys(u32* p, u32 v) {
+TP_DEV void tp_st_release_sys(u64* p, u64 v) {
 #if defined(TP_HIP)
     // clang's __atomic builtins default to system scope on amdgcn.
     __atomic_store_n(p, v, __ATOMIC_RELEASE);
 #else
-    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 #endif
 }
 
 // Load *p with acquire semantics at system scope: pairs with tp_st_release_sys.
-TP_DEV u32 tp_ld_acquire_sys(const u32* p) {
+TP_DEV u64 tp_ld_acquire_sys(const u64* p) {
 #if defined(TP_HIP)
     return __atomic_load_n(p, __ATOMIC_ACQUIRE);
 #else
-    u32 v;
-    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    u64 v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
     return v;
 #endif
 }
 
 // Relaxed (volatile, never cached in registers) load and store: for words that publish
 // nothing but themselves.
-TP_DEV u32 tp_ld_relaxed(const u32* p) { return *(const volatile u32*)p; }
-TP_DEV void tp_st_relaxed(u32* p, u32 v) { *(volatile u32*)p = v; }
+TP_DEV u64 tp_ld_relaxed(const u64* p) { return *(const volatile u64*)p; }
+TP_DEV void tp_st_relaxed(u64* p, u64 v) { *(volatile u64*)p = v; }
 
-// Atomic add with acquire-release semantics at device (GPU / agent) scope; returns the old
-// value. Used for counters that only blocks of one launch on one device touch.
-TP_DEV u32 tp_atomic_add_acq_rel_gpu(u32* p, u32 v) {
+// Low-latency lines: 16 bytes stored and loaded as two 8-byte words, each of which is
+// single-copy atomic (naturally aligned 64-bit accesses; PTX memory consistency model, and
+// what NVLink and PCIe peers see too), while the pair as a whole is not. Relaxed at system
+// scope (volatile), so the load never hits a stale L1 line and the store is not held back.
+TP_DEV void tp_st_ll(u64* p, u64 a, u64 b) {
 #if defined(TP_HIP)
-    return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT);
+    __atomic_store_n(p, a, __ATOMIC_RELAXED);
+    __atomic_store_n(p + 1, b, __ATOMIC_RELAXED);
 #else
-    u32 old;
-    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
-                 : "=r"(old)
-                 : "l"(p), "r"(v)
-                 : "memory");
-    return old;
+    asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(a), "l"(b) : "memory");
+#endif
+}
+TP_DEV void tp_ld_ll(const u64* p, u64& a, u64& b) {
+#if defined(TP_HIP)
+    a = __atomic_load_n(p, __ATOMIC_RELAXED);
+    b = __atomic_load_n(p + 1, __ATOMIC_RELAXED);
+#else
+    asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
 #endif
 }
 

@@ -53,6 +53,22 @@ struct CopyParams {
     u64 n;
 };
 
+// Same-dtype copy of n bytes. The host uses it for small copies instead of a device memcpy:
+// one kernel launch reaches the GPU sooner than a copy-engine transfer (the `host`
+// allreduce's copy-in is on its critical path).
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_THREADS, 1) copy_bytes(CopyParams p) {
+    const u64 step = (u64)gridDim.x * blockDim.x;
+    const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u8* src = (const u8*)p.src;
+    u8* dst = (u8*)p.dst;
+    u64 done = 0;
+    if (((p.src | p.dst) & 15u) == 0) {
+        done = p.n / 16 * 16;
+        for (u64 i = first; i < p.n / 16; i += step) ((V16*)dst)[i] = ((const V16*)src)[i];
+    }
+    for (u64 i = done + first; i < p.n; i += step) dst[i] = src[i];
+}
+
 // Element-wise conversion through f32 (exact widening, one rounding to the destination), as
 // the CPU twin does. Same-dtype copies do not come here: the host uses a device memcpy.
 template <class S, class D>

@@ -28,7 +28,7 @@ impl<D: Device> LocalComm<D> {
     /// One communicator per device (rank i = `devs[i]`), each able to reduce messages of up to
     /// `max_bytes` in one call (longer ones are split into several calls).
     pub fn world(devs: &[Arc<D>], max_bytes: usize) -> Result<Vec<LocalComm<D>>, RankError> {
-        let layout = CommLayout::new(max_bytes);
+        let layout = CommLayout::new(max_bytes, devs.len());
         let bufs = devs
             .iter()
             .map(|d| Ok(d.alloc_shared(layout.total_bytes())?.0))
