@@ -8,6 +8,7 @@
 #       VARIANT: NAME=ENV[,ENV...]  e.g. memcpy=TPRUN_CUDA_MEMCPY=1  (default: one, "default=")
 #
 # Tables go to $OUT (default /tmp/tprun-latency); a median-of-repeats summary is printed last.
+# SELFTEST=0 skips the selftest (when the same binary just passed it).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 bin="$(realpath "${1:-$root/target/release/tprun}")"
@@ -24,8 +25,10 @@ tprun_nvrtc_link
 tprun_devices "$ranks"
 t="$bin --ranks $ranks --devices $devices --backend cuda --timeout 30"
 status=0
-timeout 300 $t selftest > "$OUT/selftest.txt" 2>&1 || status=1
-tail -2 "$OUT/selftest.txt"
+if [ "${SELFTEST:-1}" != 0 ]; then
+    timeout 300 $t selftest > "$OUT/selftest.txt" 2>&1 || status=1
+    tail -2 "$OUT/selftest.txt"
+fi
 for i in $(seq "$repeats"); do
     for v in "${variants[@]}"; do
         name=${v%%=*}; envs=${v#*=}
