@@ -257,25 +257,6 @@ pub trait Device: Send + Sync + 'static {
         Ok(t0.elapsed())
     }
 
-    /// Queues `op` behind a gate: it starts only once [`Device::open_gate`] has been called
-    /// with `value` (or a later one), so that its launch latency overlaps the host work before
-    /// that (the `host` allreduce queues its reduce before its host barrier). Returns false,
-    /// queueing nothing, where the backend runs ops synchronously (CPU): the caller then runs
-    /// `op` after that host work as usual.
-    fn run_gated(&self, _op: &Op<'_, Self::Buf>, _value: u32) -> Result<bool> {
-        Ok(false)
-    }
-
-    /// Waits for the work queued before the last [`Device::run_gated`] op (not for it).
-    fn sync_before_gate(&self) -> Result<()> {
-        self.sync()
-    }
-
-    /// Opens the gate of ops queued with [`Device::run_gated`] up to `value` (wrapping u32
-    /// order: `value` opens the gates of `value - 2^31 ..= value`). Call it on every path,
-    /// failures included, or a gated op waits forever and so does every later sync.
-    fn open_gate(&self, _value: u32) {}
-
     /// Captures the work `f` queues into a graph once, replays it `replays` times back to back
     /// and returns the time per replay; `None` where the backend has no graphs (CPU). The work
     /// `f` queues must be capturable (no host synchronisation inside).

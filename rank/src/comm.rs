@@ -223,7 +223,18 @@ impl<D: Device> Communicator<D> {
                     src: data,
                     dst: mine,
                 })?;
-                let reduce = Op::Allreduce(AllreduceArgs {
+                self.dev.sync()?;
+                // Every rank's input is in its slot (the sync above finished the copy; the
+                // barrier's AcqRel/Release chain publishes it to the readers).
+                self.barrier()?;
+                // The sum is queued, not waited for: the result is stream-ordered before
+                // whatever the caller queues next, and no closing barrier is needed. The next
+                // call writes the other slot; the call after it (e + 2) writes this slot again
+                // only after call e + 1's wait for every peer (its barrier, flags or
+                // low-latency lines), which each peer passes or sends only once this reduce
+                // of its own has finished (stream order). Before a buffer is freed, `close`
+                // waits for the peers.
+                self.dev.run(&Op::Allreduce(AllreduceArgs {
                     algo: CommAlgo::HostReduce,
                     rank: self.rank,
                     world: self.world,
@@ -233,35 +244,7 @@ impl<D: Device> Communicator<D> {
                     layout: self.layout,
                     timeout: self.timeout,
                     abort: Some(self.control.abort_word()),
-                });
-                // The sum is queued, not waited for: the result is stream-ordered before
-                // whatever the caller queues next, and no closing barrier is needed. The next
-                // call writes the other slot; the call after it (e + 2) writes this slot again
-                // only after call e + 1's wait for every peer (its barrier, flags or
-                // low-latency lines), which each peer passes or sends only once this reduce
-                // of its own has finished (stream order). Before a buffer is freed, `close`
-                // waits for the peers.
-                //
-                // GPUs queue the sum before the barrier, behind a gate opened after it, so
-                // that its launch latency overlaps the copy, the sync and the barrier.
-                if self.dev.run_gated(&reduce, epoch)? {
-                    // Wait for the copy (not for the gated sum), then meet the others: every
-                    // rank's input is in its slot (the barrier's AcqRel/Release chain publishes
-                    // the completed copies to the readers). The gate opens on every path: a
-                    // failed barrier fails the job, but must not leave the stream stalled.
-                    let met = self
-                        .dev
-                        .sync_before_gate()
-                        .map_err(RankError::from)
-                        .and_then(|()| self.barrier());
-                    self.dev.open_gate(epoch);
-                    met?;
-                } else {
-                    self.dev.sync()?;
-                    // As above: every rank's input is in its slot.
-                    self.barrier()?;
-                    self.dev.run(&reduce)?;
-                }
+                }))?;
             }
             a @ (Algo::Oneshot | Algo::Twoshot) => {
                 self.epoch = self.epoch.wrapping_add(1);

@@ -5,6 +5,7 @@
 #                           ranks on GPU 0 with the CUDA MPS daemon started (without MPS the
 #                           ranks' kernels time-slice and every cross-rank wait costs ms) and
 #                           stopped at exit; sets $ngpu
+#   tprun_mps_restart       stops and restarts that MPS daemon (no-op when it was not started)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 tprun_nvrtc_link() {
@@ -27,4 +28,11 @@ tprun_devices() {
         nvidia-cuda-mps-control -d && echo "only $ngpu GPU(s): $ranks ranks share GPU 0 under MPS"
         trap 'echo quit | nvidia-cuda-mps-control; echo "MPS daemon stopped"' EXIT
     fi
+}
+
+tprun_mps_restart() {
+    [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] || return 0
+    echo quit | nvidia-cuda-mps-control
+    sleep 1
+    nvidia-cuda-mps-control -d && echo "MPS daemon restarted"
 }

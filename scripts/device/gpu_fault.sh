@@ -35,5 +35,9 @@ for victim in 2 0; do
         echo "ok"
     fi
     rm -f "$log"
+    # A client SIGKILLed mid-kernel can leave the MPS server refusing new clients ("unspecified
+    # launch failure" at context creation; seen once on the H200): start the next victim's
+    # job on a fresh server, so each check stands alone.
+    tprun_mps_restart
 done
 exit $status

@@ -328,8 +328,7 @@ impl HostWords {
         unsafe { self.host.add(i).read_volatile() }
     }
 
-    /// Writes word `i` (only while no kernel that writes these words is queued or running;
-    /// words the GPU only reads, like a stream-wait gate, may be written at any time).
+    /// Writes word `i` (only while no kernel that writes these words is queued or running).
     pub(crate) fn set(&self, i: usize, v: u32) {
         assert!(i < self.n);
         // SAFETY: as in `get`.

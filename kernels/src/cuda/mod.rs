@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::result::DriverError;
-use cudarc::driver::{result as dr, sys, CudaContext, CudaEvent, CudaStream};
+use cudarc::driver::{result as dr, sys, CudaContext, CudaStream};
 
 pub use mem::CudaBuf;
 pub use probe::{device_count, driver_present, nvrtc_present, peer_matrix, probe};
@@ -84,13 +84,6 @@ pub struct CudaDevice {
     /// Small same-dtype copies as a kernel (default) or always a memcpy (`TPRUN_CUDA_MEMCPY=1`,
     /// for A/B measurements).
     small_copy_kernel: bool,
-    /// Gates of [`Device::run_gated`]: a host-mapped word the stream waits on
-    /// (`cuStreamWaitValue32`, GEQ) and the event recorded just before each wait. `gates` is
-    /// false when turned off (`TPRUN_CUDA_HOST_GATE=0`, for A/B measurements) or when the
-    /// driver refused a stream wait once.
-    gate: HostWords,
-    gate_event: CudaEvent,
-    gates: AtomicBool,
     /// The timeout of the last allreduce queued, for the error message.
     last_timeout_ns: AtomicU64,
     err: HostWords,
@@ -129,10 +122,6 @@ impl CudaDevice {
         let mode = Self::resolve_mode(&ctx, mode)?;
         let kernels = Kernels::load(&ctx, cc)?;
         let err = HostWords::new(&ctx, launch::ERR_WORDS)?;
-        let gate = HostWords::new(&ctx, 1)?;
-        let gate_event = ctx
-            .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-            .map_err(driver_err("cuEventCreate"))?;
         // Default grid cap: all blocks of up to 4 ranks sharing this device must be resident
         // at once (their flag waits spin on each other; a block that cannot be scheduled
         // would leave its peers waiting until the timeout), so a fifth of what fits: four
@@ -155,11 +144,6 @@ impl CudaDevice {
             // inherits the coordinator's environment, so all ranks agree).
             ll: AtomicBool::new(std::env::var("TPRUN_CUDA_LL").map_or(true, |v| v != "0")),
             small_copy_kernel: std::env::var("TPRUN_CUDA_MEMCPY").map_or(true, |v| v != "1"),
-            gate,
-            gate_event,
-            gates: AtomicBool::new(
-                std::env::var("TPRUN_CUDA_HOST_GATE").map_or(true, |v| v != "0"),
-            ),
             last_timeout_ns: AtomicU64::new(0),
             err,
             kernels,
@@ -410,54 +394,6 @@ impl Device for CudaDevice {
             .synchronize()
             .map_err(driver_err("cuStreamSynchronize"))?;
         self.take_device_error()
-    }
-
-    /// Records an event (for `sync_before_gate`), makes the stream wait until the gate word
-    /// reaches `value`, and queues `op` behind it.
-    fn run_gated(&self, op: &Op<'_, CudaBuf>, value: u32) -> Result<bool> {
-        // Relaxed: a plain setting, read and cleared only by the thread that queues work.
-        if !self.gates.load(Ordering::Relaxed) {
-            return Ok(false);
-        }
-        self.gate_event
-            .record(&self.stream)
-            .map_err(driver_err("cuEventRecord"))?;
-        // SAFETY: our live stream; the gate word is pinned, device-mapped memory that lives as
-        // long as this device, which synchronises its stream before dropping it.
-        let waited = unsafe {
-            sys::cuStreamWaitValue32_v2(
-                self.stream.cu_stream(),
-                self.gate.device_addr(),
-                value,
-                sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
-            )
-        }
-        .result();
-        if let Err(e) = waited {
-            // Nothing was queued behind the event: run ungated from now on.
-            tracing::debug!("cuStreamWaitValue32: {e:?}; the host allreduce runs ungated");
-            self.gates.store(false, Ordering::Relaxed);
-            return Ok(false);
-        }
-        if let Err(e) = self.run(op) {
-            // The wait is queued: open it so that the stream does not stall forever.
-            self.open_gate(value);
-            return Err(e);
-        }
-        Ok(true)
-    }
-
-    fn sync_before_gate(&self) -> Result<()> {
-        self.gate_event
-            .synchronize()
-            .map_err(driver_err("cuEventSynchronize"))
-    }
-
-    fn open_gate(&self, value: u32) {
-        // Release: whatever this thread did before (the host barrier the gate stands for) is
-        // ordered before the GPU sees the new value.
-        std::sync::atomic::fence(Ordering::Release);
-        self.gate.set(0, value);
     }
 
     /// Times with CUDA events around the work `f` queues (no host clock, no launch gaps
