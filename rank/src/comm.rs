@@ -57,7 +57,8 @@ pub struct Communicator<D: Device> {
     /// Every rank's communication buffer; ours at index `rank`.
     bufs: Vec<D::Buf>,
     layout: CommLayout,
-    /// Allreduce calls so far (every algorithm, replays of captured graphs included); the next
+    /// Non-empty allreduce calls so far (every algorithm, replays of captured graphs included);
+    /// the next
     /// call uses `epoch + 1`. Identical on every rank because every rank makes the same calls
     /// in the same order.
     epoch: u32,

@@ -37,7 +37,9 @@ for victim in 2 0; do
     rm -f "$log"
     # A client SIGKILLed mid-kernel can leave the MPS server refusing new clients ("unspecified
     # launch failure" at context creation; seen once on the H200): start the next victim's
-    # job on a fresh server, so each check stands alone.
+    # job on a fresh server, so each check stands alone. (So this script does not show that a
+    # new job can start on the same MPS server after a kill; with one rank per GPU and no
+    # MPS there is no shared server to break.)
     tprun_mps_restart
 done
 exit $status

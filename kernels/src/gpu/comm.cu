@@ -56,8 +56,8 @@
 
 #define TP_SIGNAL_BYTES (256ull * 1024ull)
 #define TP_MAX_WORLD 64
-// Most blocks one allreduce launch uses: flags for 2 phases x 128 blocks x 64 senders fill
-// 64 KiB of the 256 KiB signal area, and 128 is about one block per SM on an H100/H200
+// Most blocks one allreduce launch uses: u64 flags for 2 phases x 128 blocks x 64 senders
+// fill 128 KiB of the 256 KiB signal area, and 128 is about one block per SM on an H100/H200
 // (132 SMs), past which more blocks only add flag traffic.
 #define TP_MAX_BLOCKS 128
 #define TP_SIG_EPOCHS 8192u
@@ -287,7 +287,7 @@ TP_DEV void twoshot(const ArParams& a) {
 // kernel e, which completes (the kernel's stores are performed) before the reader's call
 // e + 1 sends the signal (lines, flags, or its host barrier) that lets a sender write this
 // slot again in e + 2. (That step rests on kernel completion performing the kernel's stores,
-// a hardware guarantee that NCCL's low-latency protocol leans on too, where the flag path's
+// a guarantee of the hardware and the CUDA programming model, where the flag path's
 // release/acquire pairs have a formal one in the PTX memory model.) Flags are never 0: call
 // epoch 0 (after a wrap) uses flag 1, which differs from epoch 1's in slot parity.
 TP_DEV u32 tp_ll_flag(u64 e) { return (u32)e != 0u ? (u32)e : 1u; }

@@ -114,8 +114,8 @@ TP_DEV void sum_pack(Src src, int nsrc, u8* out, u8* out2, u64 k, u64 n) {
         float acc[D::V];
         D::unpack(*(const V16*)(src(0) + off), acc);
         // Sources in groups of 4, loaded before any is converted, so that up to four loads are
-        // in flight whatever the conversion code does to the compiler's unrolling (f16 with
-        // its NaN branches was left one load at a time: 2-3 us more than bf16 at 16 KiB).
+        // in flight whatever the conversion code does to the compiler's unrolling (ptxas had
+        // left f16's loop one load at a time).
         for (int p0 = 1; p0 < nsrc; p0 += 4) {
             V16 v[4];
 #pragma unroll

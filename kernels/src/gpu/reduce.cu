@@ -70,7 +70,8 @@ extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_THREADS, 1) copy_bytes(CopyParams
 }
 
 // Element-wise conversion through f32 (exact widening, one rounding to the destination), as
-// the CPU twin does. Same-dtype copies do not come here: the host uses a device memcpy.
+// the CPU twin does. Same-dtype copies do not come here: the host uses copy_bytes (up to
+// 1 MiB) or a device memcpy.
 template <class S, class D>
 TP_DEV void convert(const CopyParams& p) {
     const u64 step = (u64)gridDim.x * blockDim.x;
