@@ -60,6 +60,17 @@ pub struct Export {
     pub fd: Option<OwnedFd>,
 }
 
+/// `bytes` bytes at `offset` must lie inside a buffer of `len` bytes: the bounds check every
+/// backend's buffer makes before touching memory.
+pub(crate) fn check_range(offset: usize, bytes: usize, len: usize) -> Result<()> {
+    match offset.checked_add(bytes) {
+        Some(end) if end <= len => Ok(()),
+        _ => Err(crate::KernelError::Invalid(format!(
+            "range {offset}..{offset}+{bytes} is outside a {len}-byte buffer"
+        ))),
+    }
+}
+
 /// A typed window into a buffer: `len` elements of `dtype` starting `offset` bytes in.
 pub struct View<'a, B> {
     pub buf: &'a B,

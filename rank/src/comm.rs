@@ -48,6 +48,16 @@ pub fn auto_threshold(backend: Backend, world: usize) -> usize {
     }
 }
 
+/// The device op a resolved algorithm runs (`host` runs `HostReduce` after its host steps).
+fn device_algo(resolved: Algo) -> CommAlgo {
+    match resolved {
+        Algo::Host => CommAlgo::HostReduce,
+        Algo::Oneshot => CommAlgo::Oneshot,
+        Algo::Twoshot => CommAlgo::Twoshot,
+        Algo::Auto => unreachable!("resolve never returns auto"),
+    }
+}
+
 pub struct Communicator<D: Device> {
     dev: Arc<D>,
     rank: usize,
@@ -210,67 +220,57 @@ impl<D: Device> Communicator<D> {
             // Every rank makes the same calls, so every rank skips this one alike.
             return Ok(());
         }
+        let algo = device_algo(self.resolve(algo, data.bytes()));
         let refs: Vec<&D::Buf> = self.bufs.iter().collect();
-        match self.resolve(algo, data.bytes()) {
-            Algo::Host => {
-                // Like every call, slot epoch % 2: free, because every peer finished call
-                // epoch - 2 (its reads of this slot) before it signalled call epoch - 1, which
-                // we waited for (a flag, or the barrier below of a host call).
-                self.epoch = self.epoch.wrapping_add(1);
-                let epoch = self.epoch;
-                let slot = self.layout.slot_offset(epoch);
-                let mine = View::new(refs[self.rank], slot, data.len, data.dtype);
-                self.dev.run(&Op::Copy {
-                    src: data,
-                    dst: mine,
-                })?;
-                self.dev.sync()?;
-                // Every rank's input is in its slot (the sync above finished the copy; the
-                // barrier's AcqRel/Release chain publishes it to the readers).
-                self.barrier()?;
-                // The sum is queued, not waited for: the result is stream-ordered before
-                // whatever the caller queues next, and no closing barrier is needed. The next
-                // call writes the other slot; the call after it (e + 2) writes this slot again
-                // only after call e + 1's wait for every peer (its barrier, flags or
-                // low-latency lines), which each peer passes or sends only once this reduce
-                // of its own has finished (stream order). Before a buffer is freed, `close`
-                // waits for the peers.
-                self.dev.run(&Op::Allreduce(AllreduceArgs {
-                    algo: CommAlgo::HostReduce,
-                    rank: self.rank,
-                    world: self.world,
-                    epoch,
-                    data,
-                    comm: &refs,
-                    layout: self.layout,
-                    timeout: self.timeout,
-                    abort: Some(self.control.abort_word()),
-                }))?;
-            }
-            a @ (Algo::Oneshot | Algo::Twoshot) => {
-                self.epoch = self.epoch.wrapping_add(1);
-                let epoch = self.epoch;
-                let algo = if a == Algo::Oneshot {
-                    CommAlgo::Oneshot
-                } else {
-                    CommAlgo::Twoshot
-                };
-                self.dev.run(&Op::Allreduce(AllreduceArgs {
-                    algo,
-                    rank: self.rank,
-                    world: self.world,
-                    epoch,
-                    data,
-                    comm: &refs,
-                    layout: self.layout,
-                    timeout: self.timeout,
-                    abort: Some(self.control.abort_word()),
-                }))?;
-            }
-            Algo::Auto => unreachable!("resolve never returns auto"),
+        // Like every call, slot epoch % 2: free, because every peer finished call epoch - 2
+        // (its reads of this slot) before it signalled call epoch - 1, which we waited for
+        // (flags, low-latency lines, or the barrier of a host call).
+        self.epoch = self.epoch.wrapping_add(1);
+        if algo == CommAlgo::HostReduce {
+            // `host`: the copy into our slot, its sync and the barrier are the host's part.
+            let slot = self.layout.slot_offset(self.epoch);
+            let mine = View::new(refs[self.rank], slot, data.len, data.dtype);
+            self.dev.run(&Op::Copy {
+                src: data,
+                dst: mine,
+            })?;
+            self.dev.sync()?;
+            // Every rank's input is in its slot (the sync above finished the copy; the
+            // barrier's AcqRel/Release chain publishes it to the readers).
+            self.barrier()?;
+            // The sum below is queued, not waited for: the result is stream-ordered before
+            // whatever the caller queues next, and no closing barrier is needed. The next
+            // call writes the other slot; the call after it (e + 2) writes this slot again
+            // only after call e + 1's wait for every peer (its barrier, flags or low-latency
+            // lines), which each peer passes or sends only once this reduce of its own has
+            // finished (stream order). Before a buffer is freed, `close` waits for the peers.
         }
+        self.dev.run(&Op::Allreduce(
+            self.call_args(algo, self.epoch, data, &refs),
+        ))?;
         self.control.beat(self.rank);
         Ok(())
+    }
+
+    /// The arguments of one `Op::Allreduce` of `data` by this rank.
+    fn call_args<'a>(
+        &'a self,
+        algo: CommAlgo,
+        epoch: u32,
+        data: View<'a, D::Buf>,
+        comm: &'a [&'a D::Buf],
+    ) -> AllreduceArgs<'a, D::Buf> {
+        AllreduceArgs {
+            algo,
+            rank: self.rank,
+            world: self.world,
+            epoch,
+            data,
+            comm,
+            layout: self.layout,
+            timeout: self.timeout,
+            abort: Some(self.control.abort_word()),
+        }
     }
 
     /// Captures one `algo` allreduce of `data` into a device graph and replays it `replays`
@@ -283,25 +283,14 @@ impl<D: Device> Communicator<D> {
         data: View<'_, D::Buf>,
         replays: u32,
     ) -> Result<Option<Duration>, RankError> {
-        let algo = match self.resolve(algo, data.bytes()) {
-            Algo::Oneshot => CommAlgo::Oneshot,
-            Algo::Twoshot => CommAlgo::Twoshot,
-            _ => return Ok(None),
+        let algo = match device_algo(self.resolve(algo, data.bytes())) {
+            CommAlgo::HostReduce => return Ok(None),
+            a => a,
         };
         let refs: Vec<&D::Buf> = self.bufs.iter().collect();
-        let args = AllreduceArgs {
-            algo,
-            rank: self.rank,
-            world: self.world,
-            // Ignored while capturing: a replayed kernel takes its epoch from the device-side
-            // counter, which every replay advances.
-            epoch: self.epoch.wrapping_add(1),
-            data,
-            comm: &refs,
-            layout: self.layout,
-            timeout: self.timeout,
-            abort: Some(self.control.abort_word()),
-        };
+        // The epoch is ignored while capturing: a replayed kernel takes its epoch from the
+        // device-side counter, which every replay advances.
+        let args = self.call_args(algo, self.epoch.wrapping_add(1), data, &refs);
         let t = self.dev.time_graph(replays, &mut || {
             self.dev.run(&Op::Allreduce(AllreduceArgs { ..args }))
         })?;

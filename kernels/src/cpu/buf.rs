@@ -94,13 +94,7 @@ impl CpuBuf {
     }
 
     pub(crate) fn check(&self, offset: usize, bytes: usize) -> Result<()> {
-        match offset.checked_add(bytes) {
-            Some(end) if end <= self.len => Ok(()),
-            _ => Err(KernelError::Invalid(format!(
-                "range {offset}..{offset}+{bytes} is outside a {}-byte buffer",
-                self.len
-            ))),
-        }
+        crate::device::check_range(offset, bytes, self.len)
     }
 
     /// A raw typed pointer to element 0 of a view at `offset`, after bounds and alignment

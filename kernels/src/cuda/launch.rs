@@ -261,34 +261,37 @@ impl Launcher<'_> {
         if src.len == 0 {
             return Ok(());
         }
-        if src.dtype == dst.dtype && (src.bytes() > SMALL_COPY_BYTES || !self.small_copy_kernel) {
+        let bytes = src.bytes();
+        if src.dtype == dst.dtype && (bytes > SMALL_COPY_BYTES || !self.small_copy_kernel) {
             // SAFETY: both ranges bounds-checked; the buffers outlive the queued copy (callers
             // sync before dropping buffers).
-            return unsafe { dr::memcpy_dtod_async(d, s, src.bytes(), self.stream.cu_stream()) }
+            return unsafe { dr::memcpy_dtod_async(d, s, bytes, self.stream.cu_stream()) }
                 .map_err(driver_err("cuMemcpyDtoDAsync"));
         }
-        if src.dtype == dst.dtype {
-            let mut p = CopyParams {
-                src: s,
-                dst: d,
-                n: src.bytes() as u64,
-            };
-            let grid = self.grid_for(src.bytes().div_ceil(16), THREADS);
-            // SAFETY: CopyParams is copy_bytes's parameter; ranges checked above.
-            return unsafe { self.launch("copy_bytes", grid, THREADS, &mut p) };
-        }
-        if !s.is_multiple_of(src.dtype.size() as u64) || !d.is_multiple_of(dst.dtype.size() as u64)
-        {
-            return Err(KernelError::Invalid("copy: misaligned view".into()));
-        }
+        // (kernel, its n, work items for the grid): bytes for copy_bytes (16 per thread),
+        // elements for the converting copies.
+        let (name, n, items) = if src.dtype == dst.dtype {
+            ("copy_bytes".to_string(), bytes, bytes.div_ceil(16))
+        } else {
+            if !s.is_multiple_of(src.dtype.size() as u64)
+                || !d.is_multiple_of(dst.dtype.size() as u64)
+            {
+                return Err(KernelError::Invalid("copy: misaligned view".into()));
+            }
+            (
+                format!("copy_{}_{}", src.dtype, dst.dtype),
+                src.len,
+                src.len,
+            )
+        };
         let mut p = CopyParams {
             src: s,
             dst: d,
-            n: src.len as u64,
+            n: n as u64,
         };
-        let name = format!("copy_{}_{}", src.dtype, dst.dtype);
-        // SAFETY: CopyParams is copy_*'s parameter; addresses checked above.
-        unsafe { self.launch(&name, self.grid_for(src.len, THREADS), THREADS, &mut p) }
+        // SAFETY: CopyParams is the parameter of copy_bytes and copy_*_*; addresses checked
+        // above.
+        unsafe { self.launch(&name, self.grid_for(items, THREADS), THREADS, &mut p) }
     }
 
     pub(crate) fn reduce_sum(

@@ -76,13 +76,7 @@ impl CudaBuf {
     }
 
     pub(crate) fn check(&self, offset: usize, bytes: usize) -> Result<()> {
-        match offset.checked_add(bytes) {
-            Some(end) if end <= self.len => Ok(()),
-            _ => Err(KernelError::Invalid(format!(
-                "range {offset}..{offset}+{bytes} is outside a {}-byte buffer",
-                self.len
-            ))),
-        }
+        crate::device::check_range(offset, bytes, self.len)
     }
 
     /// The device address of byte `offset`, after a bounds check of `bytes` bytes there.

@@ -454,24 +454,17 @@ impl<D: Device> Model<D> {
                 eps,
             })?;
             // hb = silu(gate_proj(xb)) * up_proj(xb)
-            dev.run(&Op::Matmul {
-                x: f32v(&s.xb, m * h),
-                w: lw.w_gate.view(),
-                bias: None,
-                y: f32v(&s.hb, m * ni),
-                m,
-                k: h,
-                n: ni,
-            })?;
-            dev.run(&Op::Matmul {
-                x: f32v(&s.xb, m * h),
-                w: lw.w_up.view(),
-                bias: None,
-                y: f32v(&s.hb2, m * ni),
-                m,
-                k: h,
-                n: ni,
-            })?;
+            for (wt, out) in [(&lw.w_gate, &s.hb), (&lw.w_up, &s.hb2)] {
+                dev.run(&Op::Matmul {
+                    x: f32v(&s.xb, m * h),
+                    w: wt.view(),
+                    bias: None,
+                    y: f32v(out, m * ni),
+                    m,
+                    k: h,
+                    n: ni,
+                })?;
+            }
             dev.run(&Op::SiluMul {
                 gate: f32v(&s.hb, m * ni),
                 up: f32v(&s.hb2, m * ni),
