@@ -15,11 +15,8 @@ bin="$(realpath "${1:-$root/target/release/tprun}")"
 ranks="${2:-4}"
 OUT="${OUT:-/tmp/tprun-allreduce}"
 mkdir -p "$OUT"
-export TPRUN_KERNEL_CACHE="${TPRUN_KERNEL_CACHE:-/tmp/tprun-kernel-cache}"
 . "$root/scripts/device/common.sh"
-tprun_nvrtc_link
-tprun_devices "$ranks"
-t="$bin --ranks $ranks --devices $devices --backend cuda --timeout 30"
+tprun_job "$bin" "$ranks"
 status=0
 run() { # name, seconds, command...
     local name=$1 secs=$2; shift 2

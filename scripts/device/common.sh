@@ -6,6 +6,11 @@
 #                           ranks' kernels time-slice and every cross-rank wait costs ms) and
 #                           stopped at exit; sets $ngpu
 #   tprun_mps_restart       stops and restarts that MPS daemon (no-op when it was not started)
+#   tprun_job BIN RANKS [TIMEOUT_S]
+#                           all a CUDA job needs: the kernel cache ($TPRUN_KERNEL_CACHE, else
+#                           /tmp/tprun-kernel-cache), tprun_nvrtc_link, tprun_devices; sets $t
+#                           to the tprun command line for RANKS ranks on $devices (--timeout,
+#                           default 30 s)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 tprun_nvrtc_link() {
@@ -35,4 +40,11 @@ tprun_mps_restart() {
     echo quit | nvidia-cuda-mps-control
     sleep 1
     nvidia-cuda-mps-control -d && echo "MPS daemon restarted"
+}
+
+tprun_job() {
+    export TPRUN_KERNEL_CACHE="${TPRUN_KERNEL_CACHE:-/tmp/tprun-kernel-cache}"
+    tprun_nvrtc_link
+    tprun_devices "$2"
+    t="$1 --ranks $2 --devices $devices --backend cuda --timeout ${3:-30}"
 }

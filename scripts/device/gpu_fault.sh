@@ -7,12 +7,11 @@ root="$(cd "$(dirname "$0")/../.." && pwd)"
 bin="$(realpath "${1:-$root/target/release/tprun}")"
 ranks="${2:-4}"
 . "$root/scripts/device/common.sh"
-tprun_nvrtc_link
-tprun_devices "$ranks"
+tprun_job "$bin" "$ranks"
 status=0
 for victim in 2 0; do
     log=$(mktemp)
-    "$bin" --ranks "$ranks" --devices "$devices" --backend cuda --timeout 30 bench allreduce \
+    $t bench allreduce \
         --sizes 64K --algo oneshot --iters 100000000 --warmup 0 > "$log" 2>&1 &
     coord=$!
     sleep 6

@@ -19,11 +19,8 @@ variants=("$@")
 [ ${#variants[@]} -gt 0 ] || variants=("default=")
 OUT="${OUT:-/tmp/tprun-latency}"
 mkdir -p "$OUT"
-export TPRUN_KERNEL_CACHE="${TPRUN_KERNEL_CACHE:-/tmp/tprun-kernel-cache}"
 . "$root/scripts/device/common.sh"
-tprun_nvrtc_link
-tprun_devices "$ranks"
-t="$bin --ranks $ranks --devices $devices --backend cuda --timeout 30"
+tprun_job "$bin" "$ranks"
 status=0
 if [ "${SELFTEST:-1}" != 0 ]; then
     timeout 300 $t selftest > "$OUT/selftest.txt" 2>&1 || status=1

@@ -16,11 +16,9 @@ sizes="${3:-8:256M}"
 OUT="${OUT:-/tmp/tprun-multi-gpu}"
 mkdir -p "$OUT"
 . "$root/scripts/device/common.sh"
-tprun_nvrtc_link
-tprun_devices "$ranks"
+tprun_job "$bin" "$ranks" 60
 # NCCL refuses two ranks on one GPU: it runs on the GPUs there are.
 nccl_ranks=$(( ngpu < ranks ? ngpu : ranks ))
-t="$bin --ranks $ranks --devices $devices --backend cuda --timeout 60"
 status=0
 run() { # name, seconds, command...
     local name=$1 secs=$2; shift 2
