@@ -31,7 +31,7 @@
 use std::sync::atomic::AtomicU32;
 use std::time::Duration;
 
-use crate::View;
+use crate::{DType, View};
 
 /// Largest world size the layout has room for.
 pub const MAX_WORLD: usize = 64;
@@ -135,6 +135,36 @@ pub struct AllreduceArgs<'a, B> {
     pub timeout: Duration,
     /// The job's abort word (non-zero = stop); host-side waits check it.
     pub abort: Option<&'a AtomicU32>,
+    /// A residual add + RMSNorm after the sum (the decode layer's seam): when given, the op
+    /// also does [`crate::ops::AddRmsNorm`] with `delta` = the sum, and `data` is left
+    /// unspecified (a fused GPU kernel need not store it).
+    pub add_norm: Option<AddNorm<'a, B>>,
+}
+
+/// The epilogue of [`AllreduceArgs::add_norm`]: `x ← x + sum`, `out = rms_norm(x) · w`, with
+/// `x`, `out`: [rows, dim] f32 and the message [rows, dim] f32 too.
+pub struct AddNorm<'a, B> {
+    pub x: View<'a, B>,
+    pub w: View<'a, B>,
+    pub out: View<'a, B>,
+    pub rows: usize,
+    pub dim: usize,
+    pub eps: f32,
+}
+
+impl<'a, B> AllreduceArgs<'a, B> {
+    /// The epilogue as an op on the summed data.
+    pub fn add_norm_op(&self) -> Option<crate::ops::AddRmsNorm<'a, B>> {
+        self.add_norm.as_ref().map(|e| crate::ops::AddRmsNorm {
+            x: e.x,
+            delta: self.data,
+            w: e.w,
+            out: e.out,
+            rows: e.rows,
+            dim: e.dim,
+            eps: e.eps,
+        })
+    }
 }
 
 impl<B> AllreduceArgs<'_, B> {
@@ -152,6 +182,19 @@ impl<B> AllreduceArgs<'_, B> {
                 self.world,
                 self.comm.len()
             )));
+        }
+        if !self.data.dtype.is_float() {
+            return Err(crate::KernelError::Invalid(
+                "allreduce of u32 data (float dtypes only)".into(),
+            ));
+        }
+        if let Some(op) = self.add_norm_op() {
+            if self.data.dtype != DType::F32 {
+                return Err(crate::KernelError::Invalid(
+                    "allreduce with add_norm: f32 data only".into(),
+                ));
+            }
+            op.validate()?;
         }
         let bytes = self.data.bytes();
         if bytes > self.layout.data_bytes {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::comm::AllreduceArgs;
-use crate::{DType, Result};
+use crate::{ops, DType, Result};
 
 /// What a backend says about the device a rank runs on (for error messages and `tprun info`).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -114,118 +114,69 @@ impl<'a, B> View<'a, B> {
     }
 }
 
-/// The ops a backend runs. Outputs may not overlap inputs unless the op says so.
+/// The ops a backend runs, each with its validated argument struct ([`crate::ops`]). Outputs
+/// may not overlap inputs unless the op says so.
 pub enum Op<'a, B> {
-    /// `dst ← src`, converting dtype if they differ. Same length.
-    Copy { src: View<'a, B>, dst: View<'a, B> },
-    /// `out[i] = Σ_r inputs[r][i]`, summed in the order given with f32 accumulation, rounded
-    /// once to `out.dtype`. `out` may be one of the inputs.
-    ReduceSum {
-        inputs: &'a [View<'a, B>],
-        out: View<'a, B>,
-    },
-    /// A peer-buffer allreduce (`oneshot` or `twoshot`), in place on `args.data`; see
-    /// [`crate::comm`].
+    Copy(ops::Copy<'a, B>),
+    ReduceSum(ops::ReduceSum<'a, B>),
+    /// A peer-buffer allreduce (`oneshot`, `twoshot` or the device half of `host`), in place
+    /// on `args.data`, optionally followed by a residual add + RMSNorm; see [`crate::comm`].
     Allreduce(AllreduceArgs<'a, B>),
-
-    // ---- Decode ops (CPU twins in `cpu/ops/`). Activations are f32; weights any dtype. ----
-    /// `dst[i] ← value` for every element (any dtype).
-    Fill { dst: View<'a, B>, value: f32 },
-    /// Embedding lookup in one vocab shard. `table`: [rows, hidden] (any dtype) holding vocab
-    /// ids `vocab_start..vocab_start + rows`; `out`: [ids.len(), hidden] f32. Row `i` of `out`
-    /// is the table row of `ids[i]`, or zeros when that id lies outside this shard (the sum
-    /// over all shards is then the full lookup). `ids` are host memory; a GPU backend uploads
-    /// them with the launch.
-    Embedding {
-        table: View<'a, B>,
-        vocab_start: usize,
-        ids: &'a [u32],
-        hidden: usize,
-        out: View<'a, B>,
-    },
-    /// RMSNorm over `rows` rows of `dim`: `out[r] = x[r] / sqrt(mean(x[r]²) + eps) · w`, with
-    /// `x`, `out`: [rows, dim] f32 (may be the same view), `w`: [dim] (any dtype). Per-head
-    /// q/k norm is the same op with rows = tokens · heads and dim = head_dim.
-    RmsNorm {
-        x: View<'a, B>,
-        w: View<'a, B>,
-        out: View<'a, B>,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-    },
-    /// Rotary position embedding, Hugging Face "rotate halves" convention, in place on `x`:
-    /// [rows, heads, head_dim] f32, row `r` at position `pos0 + r`. `inv_freq`: [head_dim / 2]
-    /// f32 (theta and any `rope_scaling` already applied). For `i < head_dim / 2`, with
-    /// `a = (pos · inv_freq[i])` in f32: `(x[i], x[i+h/2]) ← (x[i]·cos a − x[i+h/2]·sin a,
-    /// x[i+h/2]·cos a + x[i]·sin a)`.
-    Rope {
-        x: View<'a, B>,
-        inv_freq: View<'a, B>,
-        rows: usize,
-        heads: usize,
-        head_dim: usize,
-        pos0: usize,
-    },
-    /// Causal grouped-query attention of `rows` query positions `pos0..pos0 + rows` over a KV
-    /// cache. `q`, `out`: [rows, heads, head_dim] f32; `k_cache`, `v_cache`: [≥ pos0 + rows,
-    /// kv_heads, head_dim] (any dtype), already holding these positions. Query head `h` reads
-    /// KV head `h / (heads / kv_heads)`; query `r` sees cache positions `0..=pos0 + r`.
-    /// Scores `q·k · scale` and the softmax are f32.
-    Attention {
-        q: View<'a, B>,
-        k_cache: View<'a, B>,
-        v_cache: View<'a, B>,
-        out: View<'a, B>,
-        rows: usize,
-        heads: usize,
-        kv_heads: usize,
-        head_dim: usize,
-        pos0: usize,
-        scale: f32,
-    },
-    /// `out[i] = silu(gate[i]) · up[i]`, `silu(g) = g / (1 + e^−g)`; f32, same length; `out`
-    /// may be `gate` or `up`.
-    SiluMul {
-        gate: View<'a, B>,
-        up: View<'a, B>,
-        out: View<'a, B>,
-    },
-    /// `out[i] = a[i] + b[i]` (the residual add); f32, same length; `out` may be `a` or `b`.
-    Add {
-        a: View<'a, B>,
-        b: View<'a, B>,
-        out: View<'a, B>,
-    },
-    /// `y = x · wᵀ (+ bias)`: `x`: [m, k] f32, `w`: [n, k] (f32, f16 or bf16; a Linear's
-    /// [out, in] layout), `bias`: [n] f32, `y`: [m, n] f32, accumulated in f32. `m = 1` is the
-    /// decode matrix–vector product; prefill uses `m` = prompt tokens. `y` must not overlap `x`.
-    Matmul {
-        x: View<'a, B>,
-        w: View<'a, B>,
-        bias: Option<View<'a, B>>,
-        y: View<'a, B>,
-        m: usize,
-        k: usize,
-        n: usize,
-    },
+    Fill(ops::Fill<'a, B>),
+    Embedding(ops::Embedding<'a, B>),
+    RmsNorm(ops::RmsNorm<'a, B>),
+    AddRmsNorm(ops::AddRmsNorm<'a, B>),
+    Rope(ops::Rope<'a, B>),
+    QkvRope(ops::QkvRope<'a, B>),
+    Attention(ops::Attention<'a, B>),
+    SiluMul(ops::SiluMul<'a, B>),
+    Add(ops::Add<'a, B>),
+    Matmul(ops::Matmul<'a, B>),
+    ShardTopK(ops::ShardTopK<'a, B>),
+    Sample(ops::Sample<'a, B>),
 }
 
 impl<B> Op<'_, B> {
     /// The op's name, for errors ("the cuda backend has no kernel for rms_norm yet").
     pub fn name(&self) -> &'static str {
         match self {
-            Op::Copy { .. } => "copy",
-            Op::ReduceSum { .. } => "reduce_sum",
+            Op::Copy(_) => "copy",
+            Op::ReduceSum(_) => "reduce_sum",
             Op::Allreduce(_) => "allreduce",
-            Op::Fill { .. } => "fill",
-            Op::Embedding { .. } => "embedding",
-            Op::RmsNorm { .. } => "rms_norm",
-            Op::Rope { .. } => "rope",
-            Op::Attention { .. } => "attention",
-            Op::SiluMul { .. } => "silu_mul",
-            Op::Add { .. } => "add",
-            Op::Matmul { .. } => "matmul",
+            Op::Fill(_) => "fill",
+            Op::Embedding(_) => "embedding",
+            Op::RmsNorm(_) => "rms_norm",
+            Op::AddRmsNorm(_) => "add_rms_norm",
+            Op::Rope(_) => "rope",
+            Op::QkvRope(_) => "qkv_rope",
+            Op::Attention(_) => "attention",
+            Op::SiluMul(_) => "silu_mul",
+            Op::Add(_) => "add",
+            Op::Matmul(_) => "matmul",
+            Op::ShardTopK(_) => "shard_topk",
+            Op::Sample(_) => "sample",
+        }
+    }
+
+    /// The checks of the op's argument struct: shapes, dtypes, parameters. [`Device::run`]
+    /// calls it once; backends' [`Device::launch`] may assume it passed.
+    pub fn validate(&self) -> Result<()> {
+        match self {
+            Op::Copy(a) => a.validate(),
+            Op::ReduceSum(a) => a.validate(),
+            Op::Allreduce(a) => a.validate(),
+            Op::Fill(_) => Ok(()),
+            Op::Embedding(a) => a.validate(),
+            Op::RmsNorm(a) => a.validate(),
+            Op::AddRmsNorm(a) => a.validate(),
+            Op::Rope(a) => a.validate(),
+            Op::QkvRope(a) => a.validate(),
+            Op::Attention(a) => a.validate(),
+            Op::SiluMul(a) => a.validate(),
+            Op::Add(a) => a.validate(),
+            Op::Matmul(a) => a.validate(),
+            Op::ShardTopK(a) => a.validate(),
+            Op::Sample(a) => a.validate(),
         }
     }
 }
@@ -234,6 +185,10 @@ impl<B> Op<'_, B> {
 pub trait Device: Send + Sync + 'static {
     /// Device memory owned by (or mapped into) this process. Dropping it frees or unmaps it.
     type Buf: Send + Sync;
+    /// A captured graph of queued work ([`Device::capture`]); `()` where there are none.
+    type Graph: Send;
+    /// A point in the queued work ([`Device::mark`]).
+    type Mark: Send;
 
     fn info(&self) -> DeviceInfo;
 
@@ -252,8 +207,15 @@ pub trait Device: Send + Sync + 'static {
     /// Device → host copy from `src` at byte `offset` into `dst`. Waits for queued work.
     fn read(&self, src: &Self::Buf, offset: usize, dst: &mut [u8]) -> Result<()>;
 
-    /// Runs (or queues, on a GPU stream) one op.
-    fn run(&self, op: &Op<'_, Self::Buf>) -> Result<()>;
+    /// Runs (or queues, on a GPU stream) one op after validating its arguments once.
+    fn run(&self, op: &Op<'_, Self::Buf>) -> Result<()> {
+        op.validate()?;
+        self.launch(op)
+    }
+
+    /// Runs (or queues) one op whose arguments passed [`Op::validate`]; backends still
+    /// bounds-check each view against its buffer. Call [`Device::run`] instead.
+    fn launch(&self, op: &Op<'_, Self::Buf>) -> Result<()>;
 
     /// Waits until all queued work is done.
     fn sync(&self) -> Result<()>;
@@ -268,14 +230,53 @@ pub trait Device: Send + Sync + 'static {
         Ok(t0.elapsed())
     }
 
-    /// Captures the work `f` queues into a graph once, replays it `replays` times back to back
-    /// and returns the time per replay; `None` where the backend has no graphs (CPU). The work
-    /// `f` queues must be capturable (no host synchronisation inside).
+    /// Captures the work `f` queues, without running it, as a graph to replay; `None` where
+    /// the backend has no graphs (CPU: the caller runs the ops directly instead). The work
+    /// must be capturable: no host synchronisation, no host reads, every per-call value in
+    /// device memory.
+    fn capture(&self, _f: &mut dyn FnMut() -> Result<()>) -> Result<Option<Self::Graph>> {
+        Ok(None)
+    }
+
+    /// Queues one replay of a captured graph.
+    fn replay(&self, graph: &Self::Graph) -> Result<()>;
+
+    /// Marks the point the queued work has reached (an event on GPUs).
+    fn mark(&self) -> Result<Self::Mark>;
+
+    /// Waits until the work queued before `mark` is done (work queued after it keeps
+    /// running) and reports errors the device raised.
+    fn wait_mark(&self, mark: &Self::Mark) -> Result<()>;
+
+    /// Page-locked host memory that device work can write and the host can read without a
+    /// copy or a stream sync ([`Device::read_mapped`]), zeroed. Default: device memory.
+    fn alloc_mapped(&self, bytes: usize) -> Result<Self::Buf> {
+        self.alloc(bytes)
+    }
+
+    /// Reads a buffer of [`Device::alloc_mapped`] without waiting for queued work: what a
+    /// waited [`Device::mark`] covers is there. Default: [`Device::read`].
+    fn read_mapped(&self, src: &Self::Buf, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.read(src, offset, dst)
+    }
+
+    /// Captures the work `f` queues into a graph once, replays it `replays` times back to
+    /// back and returns the time per replay; `None` where the backend has no graphs (CPU).
     fn time_graph(
         &self,
-        _replays: u32,
-        _f: &mut dyn FnMut() -> Result<()>,
+        replays: u32,
+        f: &mut dyn FnMut() -> Result<()>,
     ) -> Result<Option<Duration>> {
-        Ok(None)
+        self.sync()?;
+        let Some(graph) = self.capture(f)? else {
+            return Ok(None);
+        };
+        let t = self.time(&mut || {
+            for _ in 0..replays {
+                self.replay(&graph)?;
+            }
+            Ok(())
+        })?;
+        Ok(Some(t / replays.max(1)))
     }
 }

@@ -8,14 +8,21 @@ pub enum DType {
     F32,
     F16,
     BF16,
+    /// Token ids, positions and step counters (never a weight or an activation).
+    U32,
 }
 
 impl DType {
+    /// The float dtypes (what weights, activations and allreduces take).
     pub const ALL: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+    pub fn is_float(self) -> bool {
+        self != DType::U32
+    }
 
     pub fn size(self) -> usize {
         match self {
-            DType::F32 => 4,
+            DType::F32 | DType::U32 => 4,
             DType::F16 | DType::BF16 => 2,
         }
     }
@@ -26,6 +33,7 @@ impl DType {
             DType::F32 => "f32",
             DType::F16 => "f16",
             DType::BF16 => "bf16",
+            DType::U32 => "u32",
         }
     }
 
@@ -34,6 +42,7 @@ impl DType {
             "f32" | "float32" | "float" => Some(DType::F32),
             "f16" | "float16" | "half" => Some(DType::F16),
             "bf16" | "bfloat16" => Some(DType::BF16),
+            "u32" | "uint32" => Some(DType::U32),
             _ => None,
         }
     }
@@ -106,8 +115,26 @@ macro_rules! with_dtype {
                 type $T = half::bf16;
                 $body
             }
+            $crate::DType::U32 => {
+                type $T = u32;
+                $body
+            }
         }
     };
+}
+
+/// u32 ids and positions: "conversions" are plain casts, used only by same-dtype copies and
+/// fills (ops reject u32 where a float is meant, in `validate`).
+impl Elem for u32 {
+    const DTYPE: DType = DType::U32;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v as u32
+    }
 }
 
 /// Encodes f32 values as `dtype` bytes (little endian), rounding to nearest even.
@@ -118,6 +145,7 @@ pub fn encode(dtype: DType, values: &[f32]) -> Vec<u8> {
             DType::F32 => out.extend_from_slice(&v.to_le_bytes()),
             DType::F16 => out.extend_from_slice(&f16::from_f32(v).to_le_bytes()),
             DType::BF16 => out.extend_from_slice(&bf16::from_f32(v).to_le_bytes()),
+            DType::U32 => out.extend_from_slice(&(v as u32).to_le_bytes()),
         }
     }
     out
@@ -138,7 +166,24 @@ pub fn decode(dtype: DType, bytes: &[u8]) -> Vec<f32> {
             .chunks_exact(2)
             .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
             .collect(),
+        DType::U32 => bytes
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32)
+            .collect(),
     }
+}
+
+/// Encodes u32 values (token ids, positions) little endian.
+pub fn encode_u32(values: &[u32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// Decodes little-endian u32 values.
+pub fn decode_u32(bytes: &[u8]) -> Vec<u32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 #[cfg(test)]

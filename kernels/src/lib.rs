@@ -15,9 +15,11 @@ pub mod cuda;
 pub mod device;
 pub mod dtype;
 pub mod error;
+pub mod ops;
 pub mod rng;
 
 pub use comm::{AllreduceArgs, CommAlgo, CommLayout};
 pub use device::{Device, DeviceInfo, Export, ExportMeta, Op, View};
+pub use ops::Prologue;
 pub use dtype::DType;
 pub use error::{KernelError, Result};

@@ -204,10 +204,10 @@ fn expected(i: usize, dtype: DType, n: usize) -> Vec<u8> {
         .collect();
     let out = cpu.alloc(n * dtype.size()).unwrap();
     let views: Vec<_> = bufs.iter().map(|b| View::new(b, 0, n, dtype)).collect();
-    cpu.run(&Op::ReduceSum {
+    cpu.run(&Op::ReduceSum(tprun_kernels::ops::ReduceSum {
         inputs: &views,
         out: View::new(&out, 0, n, dtype),
-    })
+    }))
     .unwrap();
     let mut r = vec![0u8; n * dtype.size()];
     cpu.read(&out, 0, &mut r).unwrap();
@@ -285,6 +285,7 @@ fn allreduce_rank(rank: usize, peer_handle: Option<&str>) {
             layout,
             timeout: Duration::from_secs(20),
             abort: None,
+            add_norm: None,
         }))
         .unwrap();
         let mut got = vec![0u8; n * dtype.size()];

@@ -205,6 +205,7 @@ mod tests {
                                 layout,
                                 timeout: Duration::from_secs(10),
                                 abort: None,
+                                add_norm: None,
                             };
                             dev.run(&Op::Allreduce(args)).unwrap();
                             let mut bytes = vec![0u8; n * dtype.size()];
@@ -270,10 +271,10 @@ mod tests {
                         let view = View::new(&data, 0, n, DType::F32);
                         if algo == CommAlgo::HostReduce {
                             let slot = View::new(refs[r], layout.slot_offset(epoch), n, DType::F32);
-                            dev.run(&Op::Copy {
+                            dev.run(&Op::Copy(crate::ops::Copy {
                                 src: view,
                                 dst: slot,
-                            })
+                            }))
                             .unwrap();
                             barrier.wait();
                         }
@@ -287,6 +288,7 @@ mod tests {
                             layout,
                             timeout: Duration::from_secs(10),
                             abort: None,
+                            add_norm: None,
                         };
                         dev.run(&Op::Allreduce(args)).unwrap();
                         let mut bytes = vec![0u8; n * 4];
@@ -325,6 +327,7 @@ mod tests {
             layout,
             timeout: Duration::from_millis(50),
             abort: None,
+            add_norm: None,
         };
         match dev.run(&Op::Allreduce(args)) {
             Err(KernelError::Timeout { peers, .. }) => assert_eq!(peers, vec![1]),

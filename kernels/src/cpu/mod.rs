@@ -47,6 +47,8 @@ impl CpuDevice {
 
 impl Device for CpuDevice {
     type Buf = CpuBuf;
+    type Graph = ();
+    type Mark = ();
 
     fn info(&self) -> DeviceInfo {
         DeviceInfo {
@@ -100,73 +102,48 @@ impl Device for CpuDevice {
         Ok(())
     }
 
-    fn run(&self, op: &Op<'_, CpuBuf>) -> Result<()> {
+    fn launch(&self, op: &Op<'_, CpuBuf>) -> Result<()> {
         match op {
-            Op::Copy { src, dst } => reduce::copy(self, src, dst),
-            Op::ReduceSum { inputs, out } => reduce::reduce_sum(self, inputs, out),
-            Op::Allreduce(args) => allreduce::allreduce(self, args),
-            Op::Fill { dst, value } => ops::elementwise::fill(self, dst, *value),
-            Op::Embedding {
-                table,
-                vocab_start,
-                ids,
-                hidden,
-                out,
-            } => ops::embedding::embedding(self, table, *vocab_start, ids, *hidden, out),
-            Op::RmsNorm {
-                x,
-                w,
-                out,
-                rows,
-                dim,
-                eps,
-            } => ops::norm::rms_norm(self, x, w, out, *rows, *dim, *eps),
-            Op::Rope {
-                x,
-                inv_freq,
-                rows,
-                heads,
-                head_dim,
-                pos0,
-            } => ops::rope::rope(self, x, inv_freq, *rows, *heads, *head_dim, *pos0),
-            Op::Attention {
-                q,
-                k_cache,
-                v_cache,
-                out,
-                rows,
-                heads,
-                kv_heads,
-                head_dim,
-                pos0,
-                scale,
-            } => ops::attention::attention(
-                self,
-                ops::attention::AttnArgs {
-                    q,
-                    k_cache,
-                    v_cache,
-                    out,
-                    rows: *rows,
-                    heads: *heads,
-                    kv_heads: *kv_heads,
-                    head_dim: *head_dim,
-                    pos0: *pos0,
-                    scale: *scale,
-                },
-            ),
-            Op::SiluMul { gate, up, out } => ops::elementwise::silu_mul(self, gate, up, out),
-            Op::Add { a, b, out } => ops::elementwise::add(self, a, b, out),
-            Op::Matmul {
-                x,
-                w,
-                bias,
-                y,
-                m,
-                k,
-                n,
-            } => ops::matmul::matmul(self, x, w, bias.as_ref(), y, *m, *k, *n),
+            Op::Copy(a) => reduce::copy(self, &a.src, &a.dst),
+            Op::ReduceSum(a) => reduce::reduce_sum(self, a.inputs, &a.out),
+            Op::Allreduce(a) => {
+                allreduce::allreduce(self, a)?;
+                match a.add_norm_op() {
+                    Some(e) => ops::decode::add_rms_norm(self, &e),
+                    None => Ok(()),
+                }
+            }
+            Op::Fill(a) => ops::elementwise::fill(self, &a.dst, a.value),
+            Op::Embedding(a) => {
+                let ids = ops::decode::read_u32(&a.ids)?;
+                ops::embedding::embedding(self, &a.table, a.vocab_start, &ids, a.hidden, &a.out)
+            }
+            Op::RmsNorm(a) => ops::norm::rms_norm(self, &a.x, &a.w, &a.out, a.rows, a.dim, a.eps),
+            Op::AddRmsNorm(a) => ops::decode::add_rms_norm(self, a),
+            Op::Rope(a) => ops::decode::rope(self, a),
+            Op::QkvRope(a) => ops::decode::qkv_rope(self, a),
+            Op::Attention(a) => ops::decode::attention(self, a),
+            Op::SiluMul(a) => ops::elementwise::silu_mul(self, &a.gate, &a.up, &a.out),
+            Op::Add(a) => ops::elementwise::add(self, &a.a, &a.b, &a.out),
+            Op::Matmul(a) => ops::decode::matmul(self, a),
+            Op::ShardTopK(a) => ops::decode::shard_topk(a),
+            Op::Sample(a) => ops::decode::sample(a),
         }
+    }
+
+    fn replay(&self, _graph: &()) -> Result<()> {
+        Err(KernelError::Unavailable {
+            backend: "cpu",
+            why: "the cpu backend has no graphs (capture returns None)".into(),
+        })
+    }
+
+    fn mark(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn wait_mark(&self, _mark: &()) -> Result<()> {
+        Ok(())
     }
 
     fn sync(&self) -> Result<()> {

@@ -108,9 +108,12 @@ struct CopyParams {
     n: u64,
 }
 
-/// The loaded modules and their kernels, by name.
+/// The loaded modules and their kernels: by name (the communication kernels), and as a typed
+/// table (module, index in its name list) for the decode ops, which launch without building
+/// a name or hashing one.
 pub(crate) struct Kernels {
     funcs: HashMap<String, CudaFunction>,
+    table: Vec<Vec<CudaFunction>>,
     _modules: Vec<Arc<CudaModule>>,
 }
 
@@ -133,7 +136,10 @@ fn kernel_names(module: &str) -> Vec<String> {
                 }
             }
         }
-        _ => unreachable!("unknown module {module}"),
+        other => {
+            return super::decode::kernel_names(other)
+                .unwrap_or_else(|| unreachable!("unknown module {other}"))
+        }
     }
     v
 }
@@ -142,6 +148,7 @@ impl Kernels {
     /// Compiles (or takes from the cache) and loads every module for `arch`.
     pub(crate) fn load(ctx: &Arc<CudaContext>, arch: (i32, i32)) -> Result<Kernels> {
         let mut funcs = HashMap::new();
+        let mut table = Vec::new();
         let mut modules = Vec::new();
         for (name, src) in program::SOURCES {
             let bin = program::cubin(name, src, arch)?;
@@ -158,18 +165,27 @@ impl Kernels {
                         .map_err(driver_err(format!("loading module {name}")))?
                 }
             };
+            let mut list = Vec::new();
             for k in kernel_names(name) {
                 let f = module
                     .load_function(&k)
                     .map_err(driver_err(format!("kernel {k}")))?;
+                list.push(f.clone());
                 funcs.insert(k, f);
             }
+            table.push(list);
             modules.push(module);
         }
         Ok(Kernels {
             funcs,
+            table,
             _modules: modules,
         })
+    }
+
+    /// Kernel `index` of `module`'s name list.
+    pub(crate) fn func(&self, module: program::Module, index: usize) -> &CudaFunction {
+        &self.table[module as usize][index]
     }
 
     fn get(&self, name: &str) -> &CudaFunction {
@@ -242,7 +258,37 @@ impl Launcher<'_> {
         .map_err(driver_err(format!("launching {name}")))
     }
 
-    fn grid_for(&self, items: usize, threads: u32) -> u32 {
+    /// Launches `f` with a 3-D grid, `block` threads and `smem` bytes of dynamic shared
+    /// memory.
+    ///
+    /// # Safety
+    /// `params` is the exact parameter struct of `f`, and every device address in it stays
+    /// valid until the stream passes this launch.
+    pub(crate) unsafe fn launch_fn<P>(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        params: &mut P,
+    ) -> Result<()> {
+        let mut args = [(params as *mut P).cast::<c_void>()];
+        // SAFETY: per the contract; cuLaunchKernel copies the parameter values before it
+        // returns.
+        unsafe {
+            dr::launch_kernel(
+                f.cu_function(),
+                (grid.0.max(1), grid.1.max(1), grid.2.max(1)),
+                (block, 1, 1),
+                smem,
+                self.stream.cu_stream(),
+                &mut args,
+            )
+        }
+        .map_err(driver_err("launching a decode kernel"))
+    }
+
+    pub(crate) fn grid_for(&self, items: usize, threads: u32) -> u32 {
         // Enough blocks to give every thread one item, at most 8 per SM (grid-stride loops
         // cover the rest): a launch-size heuristic, not tuned.
         let cap = (self.sms as usize * 8).max(1);

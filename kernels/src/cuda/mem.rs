@@ -31,6 +31,9 @@ enum Backing {
     },
     /// A peer's legacy allocation opened with `cuIpcOpenMemHandle`.
     IpcOpened,
+    /// Page-locked host memory mapped into the device's address space (`cuMemHostAlloc`
+    /// with DEVICEMAP): `host` is its host address, the buffer's address the device's.
+    HostMapped { host: *mut u8 },
 }
 
 /// Device memory owned by, or mapped into, this process.
@@ -55,6 +58,7 @@ impl std::fmt::Debug for CudaBuf {
             Backing::Alloc => "alloc",
             Backing::Vmm { .. } => "vmm",
             Backing::IpcOpened => "ipc",
+            Backing::HostMapped { .. } => "host-mapped",
         };
         write!(f, "CudaBuf({kind} {:#x}, {} bytes)", self.ptr, self.len)
     }
@@ -98,6 +102,41 @@ impl CudaBuf {
             backing: Backing::Alloc,
             ctx: ctx.clone(),
         })
+    }
+
+    /// Page-locked host memory that kernels write through the returned buffer's device
+    /// address and the host reads with [`CudaBuf::read_host`]; zeroed.
+    pub(crate) fn alloc_mapped(ctx: &Arc<CudaContext>, bytes: usize) -> Result<CudaBuf> {
+        ctx.bind_to_thread()
+            .map_err(driver_err("binding the context"))?;
+        // SAFETY: context current; at least 1 byte.
+        let (h, d) = unsafe { result::mem::host_alloc_mapped(bytes.max(1)) }
+            .map_err(driver_err(format!("cuMemHostAlloc (DEVICEMAP) of {bytes} bytes")))?;
+        let host = h.cast::<u8>();
+        // SAFETY: a fresh allocation of at least `bytes` bytes.
+        unsafe { std::ptr::write_bytes(host, 0, bytes.max(1)) };
+        Ok(CudaBuf {
+            ptr: d,
+            len: bytes,
+            backing: Backing::HostMapped { host },
+            ctx: ctx.clone(),
+        })
+    }
+
+    /// Copies `dst.len()` bytes at `offset` of a host-mapped buffer to `dst`, with volatile
+    /// reads (kernels write it behind the compiler's back). The caller has waited for the
+    /// work that wrote them (an event; kernels' writes to mapped memory are visible to the
+    /// host once an event after them completed).
+    pub(crate) fn read_host(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.check(offset, dst.len())?;
+        let Backing::HostMapped { host } = self.backing else {
+            return Err(KernelError::Invalid("read_mapped of a buffer that is not host-mapped".into()));
+        };
+        for (i, d) in dst.iter_mut().enumerate() {
+            // SAFETY: bounds-checked above; a live pinned allocation.
+            *d = unsafe { host.add(offset + i).read_volatile() };
+        }
+        Ok(())
     }
 
     /// Shareable memory and its export, in the given (resolved) mode. Not yet zeroed.
@@ -260,6 +299,8 @@ impl Drop for CudaBuf {
             Backing::Alloc => unsafe { result::mem::free(self.ptr) },
             // SAFETY: see above (opened with cuIpcOpenMemHandle).
             Backing::IpcOpened => unsafe { result::mem::ipc_close(self.ptr) },
+            // SAFETY: see above (cuMemHostAlloc'd).
+            Backing::HostMapped { host } => unsafe { result::mem::host_free(host.cast()) },
             // SAFETY: see above; unmapped before its range is freed, and the physical handle
             // released last (the driver frees the memory once no mapping refers to it).
             Backing::Vmm { handle, size } => unsafe {

@@ -13,12 +13,18 @@
 //! Must not: know about processes or sockets: a peer's buffer arrives as an [`Export`] whose
 //! fd was already received.
 
+pub mod decode;
 pub mod launch;
+mod ops_attention;
+mod ops_decode;
+mod ops_gemv;
+mod ops_sample;
 pub mod mem;
 pub mod probe;
 pub mod program;
 pub mod result;
 pub mod selftest;
+mod twin;
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -313,8 +319,33 @@ impl Drop for CudaDevice {
     }
 }
 
+/// A captured, instantiated CUDA graph ([`Device::capture`]). Dropping it destroys both; the
+/// caller must not drop it while a replay is queued (the model syncs first).
+pub struct CudaGraph {
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+}
+
+// SAFETY: graph handles are plain driver objects, usable from any thread of the process.
+unsafe impl Send for CudaGraph {}
+
+impl Drop for CudaGraph {
+    fn drop(&mut self) {
+        // SAFETY: created by `capture`, destroyed once; no replay is pending (see above).
+        unsafe {
+            let _ = dr::graph::exec_destroy(self.exec);
+            let _ = dr::graph::destroy(self.graph);
+        }
+    }
+}
+
+/// A recorded event ([`Device::mark`]).
+pub struct CudaMark(cudarc::driver::CudaEvent);
+
 impl Device for CudaDevice {
     type Buf = CudaBuf;
+    type Graph = CudaGraph;
+    type Mark = CudaMark;
 
     fn info(&self) -> DeviceInfo {
         self.info.clone()
@@ -362,30 +393,86 @@ impl Device for CudaDevice {
         self.sync()
     }
 
-    fn run(&self, op: &Op<'_, CudaBuf>) -> Result<()> {
+    fn launch(&self, op: &Op<'_, CudaBuf>) -> Result<()> {
         self.bind()?;
         let l = self.launcher();
         match op {
-            Op::Copy { src, dst } => l.copy(src, dst),
-            Op::ReduceSum { inputs, out } => l.reduce_sum(inputs, out),
+            Op::Copy(a) => l.copy(&a.src, &a.dst),
+            Op::ReduceSum(a) => l.reduce_sum(a.inputs, &a.out),
             Op::Allreduce(args) => {
                 // Relaxed: only read back by this device's own error report, after a sync.
                 self.last_timeout_ns.store(
                     u64::try_from(args.timeout.as_nanos()).unwrap_or(u64::MAX),
                     Ordering::Relaxed,
                 );
-                l.allreduce(args)
+                l.allreduce(args)?;
+                // The residual add + norm after the sum (a fused kernel is future work).
+                match args.add_norm_op() {
+                    Some(e) => l.decode_op(&Op::AddRmsNorm(e)),
+                    None => Ok(()),
+                }
             }
-            // The decode ops' GPU kernels are a later piece of work; until then a GPU rank
-            // can communicate but not run a model.
-            other => Err(KernelError::Unavailable {
-                backend: "cuda",
-                why: format!(
-                    "no CUDA kernel for '{}' yet (decode runs on --backend cpu)",
-                    other.name()
-                ),
-            }),
+            other => l.decode_op(other),
         }
+    }
+
+    fn replay(&self, graph: &CudaGraph) -> Result<()> {
+        self.bind()?;
+        // SAFETY: an instantiated graph of this context; every buffer it uses is owned by
+        // whoever captured it, who keeps them alive while replays are queued.
+        unsafe { dr::graph::launch(graph.exec, self.stream.cu_stream()) }
+            .map_err(driver_err("cuGraphLaunch"))
+    }
+
+    fn capture(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<Option<CudaGraph>> {
+        self.sync()?;
+        let st = self.stream.cu_stream();
+        // SAFETY: our live stream. Relaxed mode: other threads of this process (the output
+        // forwarders, the heartbeat; nothing on the GPU) may make driver calls meanwhile.
+        unsafe {
+            dr::stream::begin_capture(st, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        }
+        .map_err(driver_err("cuStreamBeginCapture"))?;
+        let queued = f();
+        // SAFETY: capture was begun above on this stream; end it even if `f` failed.
+        let graph =
+            unsafe { dr::stream::end_capture(st) }.map_err(driver_err("cuStreamEndCapture"));
+        queued?;
+        let graph = graph?;
+        // SAFETY: `graph` is the complete graph captured above.
+        match unsafe { dr::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) } {
+            Ok(exec) => Ok(Some(CudaGraph { graph, exec })),
+            Err(e) => {
+                // SAFETY: created above, destroyed once.
+                let _ = unsafe { dr::graph::destroy(graph) };
+                Err(driver_err("cuGraphInstantiate")(e))
+            }
+        }
+    }
+
+    fn mark(&self) -> Result<CudaMark> {
+        self.bind()?;
+        let ev = self
+            .stream
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(driver_err("cuEventRecord"))?;
+        Ok(CudaMark(ev))
+    }
+
+    fn wait_mark(&self, mark: &CudaMark) -> Result<()> {
+        self.bind()?;
+        mark.0
+            .synchronize()
+            .map_err(driver_err("cuEventSynchronize"))?;
+        self.take_device_error()
+    }
+
+    fn alloc_mapped(&self, bytes: usize) -> Result<CudaBuf> {
+        CudaBuf::alloc_mapped(&self.ctx, bytes)
+    }
+
+    fn read_mapped(&self, src: &CudaBuf, offset: usize, dst: &mut [u8]) -> Result<()> {
+        src.read_host(offset, dst)
     }
 
     fn sync(&self) -> Result<()> {
@@ -415,53 +502,5 @@ impl Device for CudaDevice {
             .elapsed_ms(&end)
             .map_err(driver_err("cuEventElapsedTime"))?;
         Ok(Duration::from_secs_f64(f64::from(ms) / 1e3))
-    }
-
-    fn time_graph(
-        &self,
-        replays: u32,
-        f: &mut dyn FnMut() -> Result<()>,
-    ) -> Result<Option<Duration>> {
-        self.sync()?;
-        let st = self.stream.cu_stream();
-        // SAFETY: our live stream. Relaxed mode: other threads of this process (the output
-        // forwarders, nothing on the GPU) may make driver calls meanwhile.
-        unsafe {
-            dr::stream::begin_capture(st, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-        }
-        .map_err(driver_err("cuStreamBeginCapture"))?;
-        let queued = f();
-        // SAFETY: capture was begun above on this stream; end it even if `f` failed.
-        let graph =
-            unsafe { dr::stream::end_capture(st) }.map_err(driver_err("cuStreamEndCapture"));
-        queued?;
-        let graph = graph?;
-        // SAFETY: `graph` is the complete graph captured above.
-        let exec = match unsafe { dr::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }
-        {
-            Ok(e) => e,
-            Err(e) => {
-                // SAFETY: created above, destroyed once.
-                let _ = unsafe { dr::graph::destroy(graph) };
-                return Err(driver_err("cuGraphInstantiate")(e));
-            }
-        };
-        let timed = self.time(&mut || {
-            for _ in 0..replays {
-                // SAFETY: instantiated above; every buffer it uses outlives the sync in `time`.
-                unsafe { dr::graph::launch(exec, st) }.map_err(driver_err("cuGraphLaunch"))?;
-            }
-            Ok(())
-        });
-        let timed = timed.map(|t| t / replays.max(1));
-        // Drain whatever is still queued before the graph goes away (an error above may have
-        // left launches pending).
-        let _ = self.stream.synchronize();
-        // SAFETY: no launch of them is pending (synchronised above); each destroyed once.
-        unsafe {
-            let _ = dr::graph::exec_destroy(exec);
-            let _ = dr::graph::destroy(graph);
-        }
-        timed.map(Some)
     }
 }

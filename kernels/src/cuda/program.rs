@@ -23,11 +23,27 @@ const HEADERS: [(&str, &str); 2] = [
     ("elem.h", include_str!("../gpu/elem.h")),
 ];
 
-/// The kernel sources, one per op family: (module name, source).
-pub(crate) const SOURCES: [(&str, &str); 2] = [
+/// The kernel sources, one per op family: (module name, source), in [`Module`] order.
+pub(crate) const SOURCES: [(&str, &str); 6] = [
     ("reduce", include_str!("../gpu/reduce.cu")),
     ("comm", include_str!("../gpu/comm.cu")),
+    ("decode", include_str!("../gpu/decode.cu")),
+    ("gemv", include_str!("../gpu/gemv.cu")),
+    ("attention", include_str!("../gpu/attention.cu")),
+    ("sample", include_str!("../gpu/sample.cu")),
 ];
+
+/// The modules, by their index in [`SOURCES`]: the first half of a typed kernel address
+/// (the second is the kernel's index in that module's name list, `launch::kernel_names`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Module {
+    Reduce = 0,
+    Comm = 1,
+    Decode = 2,
+    Gemv = 3,
+    Attention = 4,
+    Sample = 5,
+}
 
 /// Replaces each `#include "H"` of a known header with its text, once per header (the headers
 /// say `#pragma once`); other lines are kept.

@@ -108,10 +108,10 @@ fn cpu_sum(dtype: DType, inputs: &[Vec<u8>]) -> Result<Vec<u8>> {
         .collect::<Result<Vec<CpuBuf>>>()?;
     let out = cpu.alloc(n * dtype.size())?;
     let views: Vec<_> = bufs.iter().map(|b| View::new(b, 0, n, dtype)).collect();
-    cpu.run(&Op::ReduceSum {
+    cpu.run(&Op::ReduceSum(crate::ops::ReduceSum {
         inputs: &views,
         out: View::new(&out, 0, n, dtype),
-    })?;
+    }))?;
     let mut r = vec![0u8; n * dtype.size()];
     cpu.read(&out, 0, &mut r)?;
     Ok(r)
@@ -124,10 +124,10 @@ fn cpu_copy(src: DType, dst: DType, input: &[u8]) -> Result<Vec<u8>> {
     let s = cpu.alloc(input.len())?;
     cpu.write(&s, 0, input)?;
     let d = cpu.alloc(n * dst.size())?;
-    cpu.run(&Op::Copy {
+    cpu.run(&Op::Copy(crate::ops::Copy {
         src: View::new(&s, 0, n, src),
         dst: View::new(&d, 0, n, dst),
-    })?;
+    }))?;
     let mut r = vec![0u8; n * dst.size()];
     cpu.read(&d, 0, &mut r)?;
     Ok(r)
@@ -280,10 +280,10 @@ impl LocalWorld {
                             dev.write(&g.buf, g.start, &inputs[r])?;
                             if algo == CommAlgo::HostReduce {
                                 let slot = this.layout.slot_offset(epoch);
-                                dev.run(&Op::Copy {
+                                dev.run(&Op::Copy(crate::ops::Copy {
                                     src: g.view(n, dtype),
                                     dst: View::new(&this.own[r], slot, n, dtype),
-                                })?;
+                                }))?;
                             }
                             dev.sync()?;
                             Ok(g)
@@ -301,6 +301,7 @@ impl LocalWorld {
                             layout: this.layout,
                             timeout,
                             abort: None,
+                            add_norm: None,
                         }));
                         let got = ran.and_then(|()| dev.sync()).and_then(|()| g.read(dev));
                         barrier.wait();
@@ -354,6 +355,7 @@ impl LocalWorld {
                                 layout: this.layout,
                                 timeout,
                                 abort: None,
+                                add_norm: None,
                             }))
                         };
                         let warm = (0..warmup)
@@ -426,10 +428,10 @@ pub fn selftest(ordinal: usize, mode: IpcMode, seed: u64) -> Result<Vec<Selftest
                 let s = Guarded::new(&dev, input.len(), k * src.size())?;
                 dev.write(&s.buf, s.start, &input)?;
                 let d = Guarded::new(&dev, want.len(), k * dst.size())?;
-                dev.run(&Op::Copy {
+                dev.run(&Op::Copy(crate::ops::Copy {
                     src: s.view(n, src),
                     dst: d.view(n, dst),
-                })?;
+                }))?;
                 let detail = match d.read(&dev)? {
                     Ok(got) => first_diff(&got, &want, dst.size()).unwrap_or_default(),
                     Err(e) => e,
@@ -464,10 +466,10 @@ pub fn selftest(ordinal: usize, mode: IpcMode, seed: u64) -> Result<Vec<Selftest
                 let o = Guarded::new(&dev, want.len(), off)?;
                 let views: Vec<_> = gs.iter().map(|g| g.view(n, dtype)).collect();
                 let out_view = if in_place { views[0] } else { o.view(n, dtype) };
-                dev.run(&Op::ReduceSum {
+                dev.run(&Op::ReduceSum(crate::ops::ReduceSum {
                     inputs: &views,
                     out: out_view,
-                })?;
+                }))?;
                 let got = if in_place {
                     gs[0].read(&dev)?
                 } else {
@@ -490,6 +492,10 @@ pub fn selftest(ordinal: usize, mode: IpcMode, seed: u64) -> Result<Vec<Selftest
             }
         }
     }
+
+    // Decode ops: every kernel against its CPU twin (cuda/twin.rs).
+    let cpu = CpuDevice::new(0, 2, 0);
+    out.extend(super::twin::cases(&dev, &cpu, rng.next())?);
     drop(dev);
 
     // Allreduce: every rank must equal the CPU rank-order sum, bit for bit.
@@ -649,6 +655,7 @@ mod tests {
                 layout: w.layout,
                 timeout: Duration::from_secs(1),
                 abort: None,
+                add_norm: None,
             })
         };
         dev.run(&args(1)).unwrap();
@@ -681,6 +688,7 @@ mod tests {
             layout: w.layout,
             timeout: Duration::from_millis(200),
             abort: None,
+            add_norm: None,
         }))
         .unwrap();
         match dev.sync() {
@@ -747,6 +755,7 @@ mod tests {
                             layout: w.layout,
                             timeout: Duration::from_secs(5),
                             abort: None,
+                            add_norm: None,
                         })
                     };
                     let st = dev.stream().cu_stream();
@@ -810,10 +819,10 @@ mod tests {
         let a = dev.alloc(n * 4).unwrap();
         let b = dev.alloc(n * 4).unwrap();
         let copy = |dev: &CudaDevice| {
-            dev.run(&Op::Copy {
+            dev.run(&Op::Copy(crate::ops::Copy {
                 src: View::new(&a, 0, n, DType::F32),
                 dst: View::new(&b, 0, n, DType::F32),
-            })
+            }))
         };
         copy(&dev).unwrap();
         let t = dev

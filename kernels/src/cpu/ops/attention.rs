@@ -175,7 +175,9 @@ mod tests {
                     upload(&dev, dtype, &v),
                 );
                 let bo = dev.alloc(q.len() * 4).unwrap();
-                dev.run(&Op::Attention {
+                let pos: Vec<u32> = (0..rows as u32).map(|r| pos0 as u32 + r).collect();
+                let bp = upload_u32(&dev, &pos);
+                dev.run(&Op::Attention(crate::ops::Attention {
                     q: View::new(&bq, 0, q.len(), DType::F32),
                     k_cache: View::new(&bk, 0, k.len(), dtype),
                     v_cache: View::new(&bv, 0, v.len(), dtype),
@@ -184,9 +186,10 @@ mod tests {
                     heads,
                     kv_heads: kvh,
                     head_dim: hd,
-                    pos0,
+                    pos: View::new(&bp, 0, rows, DType::U32),
                     scale: 1.0 / (hd as f32).sqrt(),
-                })
+                    workspace: None,
+                }))
                 .unwrap();
                 let err = max_err(&download(&dev, &bo, DType::F32, q.len()), &want);
                 assert!(err < 1e-5, "{dtype} {rows} {heads} {kvh}: {err}");

@@ -96,11 +96,11 @@ mod tests {
             let va = View::new(&ba, 0, n, DType::F32);
             let vb = View::new(&bb, 0, n, DType::F32);
             let vo = View::new(&out, 0, n, DType::F32);
-            dev.run(&Op::SiluMul {
+            dev.run(&Op::SiluMul(crate::ops::SiluMul {
                 gate: va,
                 up: vb,
                 out: vo,
-            })
+            }))
             .unwrap();
             let want: Vec<f64> = a
                 .iter()
@@ -112,11 +112,11 @@ mod tests {
                 .collect();
             assert!(max_err(&download(&dev, &out, DType::F32, n), &want) < 1e-6);
             // In place on `a`.
-            dev.run(&Op::Add {
+            dev.run(&Op::Add(crate::ops::Add {
                 a: va,
                 b: vb,
                 out: va,
-            })
+            }))
             .unwrap();
             let want: Vec<f64> = a
                 .iter()
@@ -131,14 +131,14 @@ mod tests {
     fn fill_sets_every_element_and_partial_overlap_is_refused() {
         let dev = CpuDevice::new(0, 1, 10);
         let b = dev.alloc(64).unwrap();
-        dev.run(&Op::Fill {
+        dev.run(&Op::Fill(crate::ops::Fill {
             dst: View::new(&b, 0, 16, DType::F32),
             value: 2.5,
-        })
+        }))
         .unwrap();
         assert_eq!(download(&dev, &b, DType::F32, 16), vec![2.5; 16]);
         let a = View::new(&b, 0, 8, DType::F32);
         let o = View::new(&b, 4, 8, DType::F32);
-        assert!(dev.run(&Op::Add { a, b: a, out: o }).is_err());
+        assert!(dev.run(&Op::Add(crate::ops::Add { a, b: a, out: o })).is_err());
     }
 }

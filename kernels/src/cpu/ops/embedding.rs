@@ -69,13 +69,14 @@ mod tests {
                     let sh = crate::comm::shard_range(vocab, world, r);
                     let tb = upload(&dev, dtype, &table[sh.start * hidden..sh.end * hidden]);
                     let out = dev.alloc(ids.len() * hidden * 4).unwrap();
-                    dev.run(&Op::Embedding {
+                    let bi = upload_u32(&dev, &ids);
+                    dev.run(&Op::Embedding(crate::ops::Embedding {
                         table: View::new(&tb, 0, sh.len() * hidden, dtype),
                         vocab_start: sh.start,
-                        ids: &ids,
+                        ids: View::new(&bi, 0, ids.len(), DType::U32),
                         hidden,
                         out: View::new(&out, 0, ids.len() * hidden, DType::F32),
-                    })
+                    }))
                     .unwrap();
                     let got = download(&dev, &out, DType::F32, ids.len() * hidden);
                     for (s, g) in sum.iter_mut().zip(got) {

@@ -213,7 +213,7 @@ mod tests {
                     );
                     let by = dev.alloc(m * n * 4).unwrap();
                     let vb = View::new(&bb, 0, n, DType::F32);
-                    dev.run(&Op::Matmul {
+                    dev.run(&Op::Matmul(crate::ops::Matmul {
                         x: View::new(&bx, 0, m * k, DType::F32),
                         w: View::new(&bw, 0, n * k, dtype),
                         bias: with_bias.then_some(vb),
@@ -221,7 +221,8 @@ mod tests {
                         m,
                         k,
                         n,
-                    })
+                        prologue: crate::Prologue::None,
+                    }))
                     .unwrap();
                     let err = max_err(&download(&dev, &by, DType::F32, m * n), &want);
                     assert!(err < 1e-5, "{dtype} m{m} k{k} n{n}: {err}");
@@ -251,7 +252,7 @@ mod consistency {
             let bx = upload(&dev, DType::F32, &x);
             let by = dev.alloc(m * n * 4).unwrap();
             let run = |xo: usize, yo: usize, mm: usize| {
-                dev.run(&Op::Matmul {
+                dev.run(&Op::Matmul(crate::ops::Matmul {
                     x: View::new(&bx, xo * 4, mm * k, DType::F32),
                     w: View::new(&w, 0, n * k, dtype),
                     bias: None,
@@ -259,7 +260,8 @@ mod consistency {
                     m: mm,
                     k,
                     n,
-                })
+                    prologue: crate::Prologue::None,
+                }))
                 .unwrap();
                 download(&dev, &by, DType::F32, m * n)
             };
@@ -320,7 +322,7 @@ mod bench {
                     let xs: Vec<f32> = (0..m).flat_map(|_| x.clone()).collect();
                     let bx = upload(&dev, DType::F32, &xs);
                     let by = dev.alloc(m * n * 4).unwrap();
-                    let op = Op::Matmul {
+                    let op = Op::Matmul(crate::ops::Matmul {
                         x: View::new(&bx, 0, m * k, DType::F32),
                         w: View::new(&w, 0, n * k, dtype),
                         bias: None,
@@ -328,7 +330,8 @@ mod bench {
                         m,
                         k,
                         n,
-                    };
+                        prologue: crate::Prologue::None,
+                    });
                     dev.run(&op).unwrap();
                     let reps = 20;
                     let t = std::time::Instant::now();

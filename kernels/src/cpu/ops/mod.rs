@@ -7,6 +7,7 @@
 //! with [`par_ranges`](super::par_ranges); each worker writes only its own rows.
 
 pub(crate) mod attention;
+pub(crate) mod decode;
 pub(crate) mod elementwise;
 pub(crate) mod embedding;
 pub(crate) mod matmul;
@@ -111,7 +112,7 @@ pub(crate) fn widen<T: Elem>(src: &[T], dst: &mut [f32]) {
     use half::slice::HalfFloatSliceExt;
     debug_assert_eq!(src.len(), dst.len());
     match T::DTYPE {
-        DType::F32 => {
+        DType::F32 | DType::U32 => {
             for (d, s) in dst.iter_mut().zip(src) {
                 *d = s.to_f32();
             }
@@ -156,6 +157,13 @@ pub(crate) mod testutil {
         let mut bytes = vec![0u8; n * dtype.size()];
         dev.read(b, 0, &mut bytes).unwrap();
         decode(dtype, &bytes)
+    }
+
+    /// A buffer of u32 values (ids, positions) and its view.
+    pub fn upload_u32(dev: &CpuDevice, v: &[u32]) -> CpuBuf {
+        let b = dev.alloc(v.len() * 4).unwrap();
+        dev.write(&b, 0, &crate::dtype::encode_u32(v)).unwrap();
+        b
     }
 
     /// Largest |a − b| / (1 + |b|).

@@ -85,24 +85,24 @@ mod tests {
                 let vx = View::new(&bx, 0, rows * dim, DType::F32);
                 let vw = View::new(&bw, 0, dim, dtype);
                 let vo = View::new(&bo, 0, rows * dim, DType::F32);
-                dev.run(&Op::RmsNorm {
+                dev.run(&Op::RmsNorm(crate::ops::RmsNorm {
                     x: vx,
                     w: vw,
                     out: vo,
                     rows,
                     dim,
                     eps,
-                })
+                }))
                 .unwrap();
                 assert!(max_err(&download(&dev, &bo, DType::F32, rows * dim), &want) < 2e-6);
-                dev.run(&Op::RmsNorm {
+                dev.run(&Op::RmsNorm(crate::ops::RmsNorm {
                     x: vx,
                     w: vw,
                     out: vx,
                     rows,
                     dim,
                     eps,
-                })
+                }))
                 .unwrap();
                 assert!(max_err(&download(&dev, &bx, DType::F32, rows * dim), &want) < 2e-6);
             }

@@ -98,14 +98,16 @@ mod tests {
                 .collect();
             let bx = upload(&dev, DType::F32, &x);
             let bf = upload(&dev, DType::F32, &inv);
-            dev.run(&Op::Rope {
+            let pos: Vec<u32> = (0..rows as u32).map(|r| pos0 as u32 + r).collect();
+            let bp = upload_u32(&dev, &pos);
+            dev.run(&Op::Rope(crate::ops::Rope {
                 x: View::new(&bx, 0, x.len(), DType::F32),
                 inv_freq: View::new(&bf, 0, inv.len(), DType::F32),
                 rows,
                 heads,
                 head_dim: hd,
-                pos0,
-            })
+                pos: View::new(&bp, 0, rows, DType::U32),
+            }))
             .unwrap();
             // The f32 angle at position ~1000 carries ~6e-5 absolute error, as in transformers.
             assert!(max_err(&download(&dev, &bx, DType::F32, x.len()), &want) < 2e-4);

@@ -1,0 +1,147 @@
+//! The one generic twin test: any op, run on the CUDA backend and on its CPU twin with the same
+//! random inputs, outputs poisoned first (0xff bytes: NaN in every float dtype, so an element
+//! the kernel never wrote can never pass), then compared element by element.
+//!
+//! A case ([`TwinCase`]) names its buffers and builds its op over views of either backend's
+//! buffers; [`run`] does the rest. `tprun selftest` runs every case the decode ops register
+//! ([`cases`]).
+
+use super::{CudaBuf, CudaDevice};
+use crate::cpu::{CpuBuf, CpuDevice};
+use crate::device::{Device, Op, View};
+use crate::dtype::decode;
+use crate::{DType, Result};
+
+use super::selftest::SelftestResult;
+
+/// One buffer of a case: its dtype, its element count, and its initial contents (`None`:
+/// poisoned, i.e. an output the op must write in full).
+pub(crate) struct Buf {
+    pub dtype: DType,
+    pub len: usize,
+    pub init: Option<Vec<u8>>,
+    /// Compared after the run (outputs and in/out buffers).
+    pub check: bool,
+}
+
+impl Buf {
+    /// An input: given contents, not compared.
+    pub(crate) fn input(dtype: DType, bytes: Vec<u8>) -> Buf {
+        Buf { dtype, len: bytes.len() / dtype.size(), init: Some(bytes), check: false }
+    }
+    /// An output: poisoned, compared.
+    pub(crate) fn output(dtype: DType, len: usize) -> Buf {
+        Buf { dtype, len, init: None, check: true }
+    }
+    /// Updated in place: given contents, compared.
+    pub(crate) fn inout(dtype: DType, bytes: Vec<u8>) -> Buf {
+        Buf { dtype, len: bytes.len() / dtype.size(), init: Some(bytes), check: true }
+    }
+    /// An output that only some elements of are written (a KV cache row, a scratch area):
+    /// filled with `init`, compared in full (so stray writes show).
+    pub(crate) fn partial(dtype: DType, bytes: Vec<u8>) -> Buf {
+        Self::inout(dtype, bytes)
+    }
+}
+
+/// How close the GPU result must be.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Tol {
+    /// Bit for bit.
+    Exact,
+    /// |gpu − cpu| ≤ tol · (1 + |cpu|) for every float element (u32 must match exactly).
+    Rel(f32),
+}
+
+/// A twin test case.
+pub(crate) trait TwinCase {
+    /// "rms_norm f32 rows 3 dim 4096", for the report.
+    fn name(&self) -> String;
+    /// The dtype and element count the report shows.
+    fn shape(&self) -> (DType, usize);
+    /// The buffers, in the order [`TwinCase::op`] receives their views.
+    fn bufs(&self) -> Vec<Buf>;
+    /// The op over views of the buffers (one whole-buffer view each, in `bufs` order).
+    fn op<'a, B>(&self, v: &'a [View<'a, B>]) -> Op<'a, B>;
+    fn tol(&self) -> Tol;
+}
+
+fn setup<D: Device>(dev: &D, bufs: &[Buf]) -> Result<Vec<D::Buf>> {
+    bufs.iter()
+        .map(|b| {
+            let bytes = b.len * b.dtype.size();
+            let buf = dev.alloc(bytes.max(1))?;
+            match &b.init {
+                Some(init) => dev.write(&buf, 0, init)?,
+                None => dev.write(&buf, 0, &vec![0xffu8; bytes])?,
+            }
+            Ok(buf)
+        })
+        .collect()
+}
+
+fn views<'a, B>(bufs: &'a [B], spec: &[Buf]) -> Vec<View<'a, B>> {
+    bufs.iter().zip(spec).map(|(b, s)| View::new(b, 0, s.len, s.dtype)).collect()
+}
+
+fn read<D: Device>(dev: &D, buf: &D::Buf, spec: &Buf) -> Result<Vec<u8>> {
+    let mut out = vec![0u8; spec.len * spec.dtype.size()];
+    dev.read(buf, 0, &mut out)?;
+    Ok(out)
+}
+
+/// Why `got` is not close enough to `want`, or `None`.
+fn differ(spec: &Buf, got: &[u8], want: &[u8], tol: Tol) -> Option<String> {
+    if spec.dtype == DType::U32 || tol == Tol::Exact {
+        let e = spec.dtype.size();
+        return got.chunks(e).zip(want.chunks(e)).position(|(a, b)| a != b).map(|i| {
+            format!(
+                "element {i}: got {:02x?}, expected {:02x?}",
+                &got[i * e..(i + 1) * e],
+                &want[i * e..(i + 1) * e]
+            )
+        });
+    }
+    let Tol::Rel(t) = tol else { unreachable!() };
+    let (g, w) = (decode(spec.dtype, got), decode(spec.dtype, want));
+    g.iter().zip(&w).position(|(a, b)| {
+        let same_nan = a.is_nan() && b.is_nan();
+        !same_nan && !((a - b).abs() <= t * (1.0 + b.abs()))
+    })
+    .map(|i| format!("element {i}: got {}, expected {} (tolerance {t})", g[i], w[i]))
+}
+
+/// Runs `case` on the GPU and on the CPU twin and compares every checked buffer.
+pub(crate) fn run<C: TwinCase>(gpu: &CudaDevice, cpu: &CpuDevice, case: &C) -> Result<SelftestResult> {
+    let spec = case.bufs();
+    let gb: Vec<CudaBuf> = setup(gpu, &spec)?;
+    let cb: Vec<CpuBuf> = setup(cpu, &spec)?;
+    {
+        let gv = views(&gb, &spec);
+        gpu.run(&case.op(&gv))?;
+        gpu.sync()?;
+        let cv = views(&cb, &spec);
+        cpu.run(&case.op(&cv))?;
+    }
+    let (dtype, elems) = case.shape();
+    let mut detail = String::new();
+    for (i, s) in spec.iter().enumerate().filter(|(_, s)| s.check) {
+        let (g, c) = (read(gpu, &gb[i], s)?, read(cpu, &cb[i], s)?);
+        if let Some(d) = differ(s, &g, &c, case.tol()) {
+            detail = format!("buffer {i}: {d}");
+            break;
+        }
+    }
+    Ok(SelftestResult { op: case.name(), dtype, elems, ok: detail.is_empty(), detail })
+}
+
+/// Every decode-op twin case, over random inputs from `seed`: the op families register
+/// theirs here.
+pub(crate) fn cases(gpu: &CudaDevice, cpu: &CpuDevice, seed: u64) -> Result<Vec<SelftestResult>> {
+    let mut out = Vec::new();
+    out.extend(super::ops_decode::selftest(gpu, cpu, seed)?);
+    out.extend(super::ops_gemv::selftest(gpu, cpu, seed)?);
+    out.extend(super::ops_attention::selftest(gpu, cpu, seed)?);
+    out.extend(super::ops_sample::selftest(gpu, cpu, seed)?);
+    Ok(out)
+}

@@ -1,0 +1,3 @@
+// attention.cu: (being written)
+#include "portable.h"
+#include "elem.h"

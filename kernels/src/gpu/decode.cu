@@ -1,0 +1,3 @@
+// decode.cu: (being written)
+#include "portable.h"
+#include "elem.h"

@@ -1,0 +1,3 @@
+// gemv.cu: (being written)
+#include "portable.h"
+#include "elem.h"

@@ -1,0 +1,3 @@
+// sample.cu: (being written)
+#include "portable.h"
+#include "elem.h"

@@ -1,0 +1,487 @@
+//! The arguments of every op [`crate::Op`] carries: one struct per op with its shape docs and
+//! one `validate()` that checks lengths, dtypes and parameters once, in
+//! [`crate::Device::run`], before any backend sees them. Backends then only bounds-check the
+//! views against their buffers (that needs the buffer) and launch.
+//!
+//! Conventions: activations are f32; weights and the KV cache may be f32, f16 or bf16; token
+//! ids, positions and step counters are u32 and live in device buffers, never in launch
+//! arguments, so that one captured graph replays for every token. Shapes are written
+//! `[rows, cols]`, row-major.
+//!
+//! Must not: touch memory (no backend types here).
+
+use crate::{DType, KernelError, Result, View};
+
+fn bad(op: &str, why: impl std::fmt::Display) -> KernelError {
+    KernelError::Invalid(format!("{op}: {why}"))
+}
+
+/// `v` must hold exactly `len` elements of `dtype` (`None`: any float dtype).
+fn expect<B>(op: &str, what: &str, v: &View<'_, B>, len: usize, dtype: Option<DType>) -> Result<()> {
+    if v.len != len {
+        return Err(bad(op, format!("{what} has {} elements, expected {len}", v.len)));
+    }
+    match dtype {
+        Some(d) if v.dtype != d => Err(bad(op, format!("{what} is {}, expected {d}", v.dtype))),
+        None if !v.dtype.is_float() => Err(bad(op, format!("{what} must be f32, f16 or bf16"))),
+        _ => Ok(()),
+    }
+}
+
+const F32: Option<DType> = Some(DType::F32);
+const U32: Option<DType> = Some(DType::U32);
+
+/// `dst ← src`, converting between float dtypes if they differ (u32 only to u32). Same length.
+pub struct Copy<'a, B> {
+    pub src: View<'a, B>,
+    pub dst: View<'a, B>,
+}
+
+impl<B> Copy<'_, B> {
+    pub fn validate(&self) -> Result<()> {
+        if self.src.len != self.dst.len {
+            return Err(bad("copy", format!("{} elements into {}", self.src.len, self.dst.len)));
+        }
+        if (self.src.dtype == DType::U32) != (self.dst.dtype == DType::U32) {
+            return Err(bad("copy", "u32 copies only to u32"));
+        }
+        Ok(())
+    }
+}
+
+/// `out[i] = Σ_r inputs[r][i]`, summed in the order given with f32 accumulation, rounded once
+/// to `out.dtype`. `out` may be one of the inputs. Float dtypes, all the same.
+pub struct ReduceSum<'a, B> {
+    pub inputs: &'a [View<'a, B>],
+    pub out: View<'a, B>,
+}
+
+impl<B> ReduceSum<'_, B> {
+    pub fn validate(&self) -> Result<()> {
+        if self.inputs.is_empty() {
+            return Err(bad("reduce_sum", "no inputs"));
+        }
+        for v in self.inputs {
+            expect("reduce_sum", "an input", v, self.out.len, Some(self.out.dtype))?;
+        }
+        expect("reduce_sum", "out", &self.out, self.out.len, None)
+    }
+}
+
+/// `dst[i] ← value` for every element (float dtypes; u32 takes `value as u32`).
+pub struct Fill<'a, B> {
+    pub dst: View<'a, B>,
+    pub value: f32,
+}
+
+/// Embedding lookup in one vocab shard. `table`: [rows, hidden] (any float dtype) holding
+/// vocab ids `vocab_start..vocab_start + rows`; `ids`: [m] u32 (device memory); `out`:
+/// [m, hidden] f32. Row `i` of `out` is the table row of `ids[i]`, or zeros when that id lies
+/// outside this shard (the sum over all shards is then the full lookup).
+pub struct Embedding<'a, B> {
+    pub table: View<'a, B>,
+    pub vocab_start: usize,
+    pub ids: View<'a, B>,
+    pub hidden: usize,
+    pub out: View<'a, B>,
+}
+
+impl<B> Embedding<'_, B> {
+    pub fn validate(&self) -> Result<()> {
+        if self.hidden == 0 || self.table.len % self.hidden != 0 {
+            return Err(bad("embedding", format!("table of {} is not rows of {}", self.table.len, self.hidden)));
+        }
+        expect("embedding", "table", &self.table, self.table.len, None)?;
+        expect("embedding", "ids", &self.ids, self.ids.len, U32)?;
+        expect("embedding", "out", &self.out, self.ids.len * self.hidden, F32)
+    }
+}
+
+/// RMSNorm over `rows` rows of `dim`: `out[r] = x[r] / sqrt(mean(x[r]²) + eps) · w`, with `x`,
+/// `out`: [rows, dim] f32 (may be the same view), `w`: [dim] (any float dtype). Per-head q/k
+/// norm is the same op with rows = tokens · heads and dim = head_dim.
+pub struct RmsNorm<'a, B> {
+    pub x: View<'a, B>,
+    pub w: View<'a, B>,
+    pub out: View<'a, B>,
+    pub rows: usize,
+    pub dim: usize,
+    pub eps: f32,
+}
+
+impl<B> RmsNorm<'_, B> {
+    pub fn validate(&self) -> Result<()> {
+        let n = self.rows * self.dim;
+        expect("rms_norm", "x", &self.x, n, F32)?;
+        expect("rms_norm", "out", &self.out, n, F32)?;
+        expect("rms_norm", "w", &self.w, self.dim, None)
+    }
+}
+
+/// The residual add and the next block's norm in one pass: `x ← x + delta`, then
+/// `out = rms_norm(x) · w`. `x`, `delta`, `out`: [rows, dim] f32 (`out` may be `delta`, not
+/// `x`); `w`: [dim]. The GPU allreduce fuses the same epilogue into its reduce
+/// ([`crate::comm::AllreduceArgs::add_norm`]).
+pub struct AddRmsNorm<'a, B> {
+    pub x: View<'a, B>,
+    pub delta: View<'a, B>,
+    pub w: View<'a, B>,
+    pub out: View<'a, B>,
+    pub rows: usize,
+    pub dim: usize,
+    pub eps: f32,
+}
+
+impl<B> AddRmsNorm<'_, B> {
+    pub fn validate(&self) -> Result<()> {
+        let n = self.rows * self.dim;
+        expect("add_rms_norm", "x", &self.x, n, F32)?;
+        expect("add_rms_norm", "delta", &self.delta, n, F32)?;
+        expect("add_rms_norm", "out", &self.out, n, F32)?;
+        expect("add_rms_norm", "w", &self.w, self.dim, None)
+    }
+}
+
+/// Rotary position embedding, Hugging Face "rotate halves" convention, in place on `x`:
+/// [rows, heads, head_dim] f32, row `r` at position `pos[r]` (`pos`: [rows] u32, device
+/// memory). `inv_freq`: [head_dim / 2] f32 (theta and any `rope_scaling` already applied). For
+/// `i < head_dim / 2`, with `a = pos · inv_freq[i]` in f32: `(x[i], x[i+h/2]) ←
+/// (x[i]·cos a − x[i+h/2]·sin a, x[i+h/2]·cos a + x[i]·sin a)`.
+pub struct Rope<'a, B> {
+    pub x: View<'a, B>,
+    pub inv_freq: View<'a, B>,
+    pub pos: View<'a, B>,
+    pub rows: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+}
+
+impl<B> Rope<'_, B> {
+    pub fn validate(&self) -> Result<()> {
+        if self.head_dim % 2 != 0 {
+            return Err(bad("rope", format!("odd head_dim {}", self.head_dim)));
+        }
+        expect("rope", "x", &self.x, self.rows * self.heads * self.head_dim, F32)?;
+        expect("rope", "inv_freq", &self.inv_freq, self.head_dim / 2, F32)?;
+        expect("rope", "pos", &self.pos, self.rows, U32)
+    }
+}
+
+/// Everything between the fused q|k|v projection and attention, for `rows` tokens: splits
+/// `qkv`: [rows, (heads + 2·kv_heads)·head_dim] f32 (this rank's q heads, then k heads, then
+/// v heads) and, per head, applies the optional q/k RMSNorm (Qwen3; weights [head_dim]) and
+/// RoPE at `pos[r]`; writes q to `q`: [rows, heads·head_dim] f32 and k, v to row `pos[r]` of
+/// `k_cache`, `v_cache`: [cap, kv_heads·head_dim] (KV dtype, rounded once). Rows whose
+/// position is `cap` or more are not stored. The result equals RmsNorm + Rope + Copy.
+pub struct QkvRope<'a, B> {
+    pub qkv: View<'a, B>,
+    pub q: View<'a, B>,
+    pub k_cache: View<'a, B>,
+    pub v_cache: View<'a, B>,
+    pub pos: View<'a, B>,
+    pub inv_freq: View<'a, B>,
+    pub q_norm: Option<View<'a, B>>,
+    pub k_norm: Option<View<'a, B>>,
+    pub eps: f32,
+    pub rows: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl<B> QkvRope<'_, B> {
+    /// Rows of the cache.
+    pub fn cap(&self) -> usize {
+        self.k_cache.len / (self.kv_heads * self.head_dim).max(1)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let (d, kv) = (self.head_dim, self.kv_heads * self.head_dim);
+        if d % 2 != 0 || kv == 0 || self.k_cache.len % kv != 0 {
+            return Err(bad("qkv_rope", format!("cache of {} is not rows of {kv} (head_dim {d})", self.k_cache.len)));
+        }
+        let w = (self.heads + 2 * self.kv_heads) * d;
+        expect("qkv_rope", "qkv", &self.qkv, self.rows * w, F32)?;
+        expect("qkv_rope", "q", &self.q, self.rows * self.heads * d, F32)?;
+        expect("qkv_rope", "k_cache", &self.k_cache, self.k_cache.len, None)?;
+        expect("qkv_rope", "v_cache", &self.v_cache, self.k_cache.len, Some(self.k_cache.dtype))?;
+        expect("qkv_rope", "pos", &self.pos, self.rows, U32)?;
+        expect("qkv_rope", "inv_freq", &self.inv_freq, d / 2, F32)?;
+        if self.q_norm.is_some() != self.k_norm.is_some() {
+            return Err(bad("qkv_rope", "q_norm and k_norm come together"));
+        }
+        for n in self.q_norm.iter().chain(&self.k_norm) {
+            expect("qkv_rope", "a q/k norm weight", n, d, None)?;
+        }
+        Ok(())
+    }
+}
+
+/// Causal grouped-query attention of `rows` queries over a KV cache. `q`, `out`: [rows,
+/// heads, head_dim] f32; `k_cache`, `v_cache`: [cap, kv_heads, head_dim] (any float dtype);
+/// `pos`: [rows] u32 (device memory): query `r` sees cache rows `0..=pos[r]`, which must
+/// already hold its keys and values (positions ≥ cap are clamped to cap − 1). Query head `h`
+/// reads KV head `h / (heads / kv_heads)`. Scores `q·k · scale` and the softmax are f32.
+/// `workspace`: f32 scratch for backends that split the sequence across blocks
+/// ([`Attention::workspace_len`]); CPU ignores it.
+pub struct Attention<'a, B> {
+    pub q: View<'a, B>,
+    pub k_cache: View<'a, B>,
+    pub v_cache: View<'a, B>,
+    pub out: View<'a, B>,
+    pub pos: View<'a, B>,
+    pub rows: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+    pub workspace: Option<View<'a, B>>,
+}
+
+/// Cache positions one split of the GPU attention covers (flash-decoding): a 4096-token cache
+/// is 16 splits, each block reading 256 keys and values of one head.
+pub const ATTN_SPLIT: usize = 256;
+
+impl<B> Attention<'_, B> {
+    /// Rows of the cache.
+    pub fn cap(&self) -> usize {
+        self.k_cache.len / (self.kv_heads * self.head_dim).max(1)
+    }
+
+    /// f32 elements of workspace the split-sequence GPU kernel needs for `rows` queries of
+    /// `heads` heads over a cache of `cap` rows: per (row, head, split) a running max, a sum
+    /// and `head_dim` partial outputs.
+    pub fn workspace_len(rows: usize, heads: usize, head_dim: usize, cap: usize) -> usize {
+        rows * heads * cap.div_ceil(ATTN_SPLIT) * (head_dim + 2)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let (h, kvh, d) = (self.heads, self.kv_heads, self.head_dim);
+        if h == 0 || kvh == 0 || d == 0 || h % kvh != 0 {
+            return Err(bad("attention", format!("{h} query heads over {kvh} KV heads")));
+        }
+        if self.k_cache.len % (kvh * d) != 0 || self.cap() == 0 {
+            return Err(bad("attention", "the cache is not whole rows"));
+        }
+        expect("attention", "q", &self.q, self.rows * h * d, F32)?;
+        expect("attention", "out", &self.out, self.rows * h * d, F32)?;
+        expect("attention", "k_cache", &self.k_cache, self.k_cache.len, None)?;
+        expect("attention", "v_cache", &self.v_cache, self.k_cache.len, Some(self.k_cache.dtype))?;
+        expect("attention", "pos", &self.pos, self.rows, U32)?;
+        if let Some(ws) = &self.workspace {
+            let need = Self::workspace_len(self.rows, h, d, self.cap());
+            if ws.dtype != DType::F32 || ws.len < need {
+                return Err(bad("attention", format!("workspace of {} {}, need {need} f32", ws.len, ws.dtype)));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `out[i] = silu(gate[i]) · up[i]`, `silu(g) = g / (1 + e^−g)`; f32, same length; `out`
+/// may be `gate` or `up`.
+pub struct SiluMul<'a, B> {
+    pub gate: View<'a, B>,
+    pub up: View<'a, B>,
+    pub out: View<'a, B>,
+}
+
+/// `out[i] = a[i] + b[i]`; f32, same length; `out` may be `a` or `b`.
+pub struct Add<'a, B> {
+    pub a: View<'a, B>,
+    pub b: View<'a, B>,
+    pub out: View<'a, B>,
+}
+
+fn same3<B>(op: &str, a: &View<'_, B>, b: &View<'_, B>, out: &View<'_, B>) -> Result<()> {
+    expect(op, "the first input", a, a.len, F32)?;
+    expect(op, "the second input", b, a.len, F32)?;
+    expect(op, "out", out, a.len, F32)
+}
+
+impl<B> SiluMul<'_, B> {
+    pub fn validate(&self) -> Result<()> {
+        same3("silu_mul", &self.gate, &self.up, &self.out)
+    }
+}
+
+impl<B> Add<'_, B> {
+    pub fn validate(&self) -> Result<()> {
+        same3("add", &self.a, &self.b, &self.out)
+    }
+}
+
+/// What a [`Matmul`] applies to its input rows before the product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Prologue {
+    /// `x`: [m, k], used as it is.
+    None,
+    /// `x`: [m, 2k], each row `[gate | up]` (the fused gate|up projection's output); the input
+    /// is `silu(gate) · up` ([`SiluMul`]), computed as the rows are read.
+    SiluMul,
+}
+
+/// `y = f(x) · wᵀ (+ bias)`: `w`: [n, k] (f32, f16 or bf16; a Linear's [out, in] layout),
+/// `bias`: [n] f32, `y`: [m, n] f32, accumulated in f32; `x` and `f` as the [`Prologue`] says.
+/// `m = 1` is the decode matrix–vector product; prefill uses `m` = prompt tokens. `y` must not
+/// overlap `x`.
+pub struct Matmul<'a, B> {
+    pub x: View<'a, B>,
+    pub w: View<'a, B>,
+    pub bias: Option<View<'a, B>>,
+    pub y: View<'a, B>,
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+    pub prologue: Prologue,
+}
+
+impl<B> Matmul<'_, B> {
+    pub fn validate(&self) -> Result<()> {
+        let xk = match self.prologue {
+            Prologue::None => self.k,
+            Prologue::SiluMul => 2 * self.k,
+        };
+        expect("matmul", "x", &self.x, self.m * xk, F32)?;
+        expect("matmul", "w", &self.w, self.n * self.k, None)?;
+        expect("matmul", "y", &self.y, self.m * self.n, F32)?;
+        if let Some(b) = &self.bias {
+            expect("matmul", "bias", b, self.n, F32)?;
+        }
+        Ok(())
+    }
+}
+
+/// Most candidates one shard contributes to sampling ([`ShardTopK`]), and so the most tokens
+/// sampling ever considers: the 64 most likely of the whole vocab are always among the union
+/// of every shard's 64 most likely.
+pub const TOPK_MAX: usize = 64;
+
+/// This rank's best `k` logits: `logits`: [n] f32 for vocab ids `vocab_start..vocab_start+n`;
+/// `out`: [2k] f32, pairs (logit, id as f32) sorted by logit descending, ties to the lower id,
+/// NaN logits never chosen, slots beyond `n` filled with (−∞, 0). Ids are below 2^24, so f32
+/// holds them exactly. Every rank writes its pairs into its own part of a zero-filled buffer
+/// and an allreduce of that buffer (adding only zeros, exact) gathers all shards' candidates.
+pub struct ShardTopK<'a, B> {
+    pub logits: View<'a, B>,
+    pub vocab_start: usize,
+    pub k: usize,
+    pub out: View<'a, B>,
+}
+
+impl<B> ShardTopK<'_, B> {
+    pub fn validate(&self) -> Result<()> {
+        if self.k == 0 || self.k > TOPK_MAX {
+            return Err(bad("shard_topk", format!("k = {} (1..={TOPK_MAX})", self.k)));
+        }
+        if self.vocab_start + self.logits.len > 1 << 24 {
+            return Err(bad("shard_topk", "vocab ids must stay below 2^24"));
+        }
+        expect("shard_topk", "logits", &self.logits, self.logits.len, F32)?;
+        expect("shard_topk", "out", &self.out, 2 * self.k, F32)
+    }
+}
+
+/// How [`Sample`] picks a token.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SampleParams {
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// Keep the k most likely candidates (0 = all candidates, at most [`TOPK_MAX`]).
+    pub top_k: u32,
+    /// Keep the smallest prefix whose probability reaches `top_p` (1 = all).
+    pub top_p: f32,
+    pub seed: u64,
+}
+
+/// Picks the next token from gathered candidates and advances the step state.
+/// `cands`: [2c] f32 pairs (logit, id) from [`ShardTopK`] of every shard (any order; pairs
+/// with a −∞ logit are padding). `state`: [2] u32 = (token, position): the token just run and
+/// its position. The op picks `t` (greedy: the largest logit, ties to the lower id; else
+/// temperature, top-k, top-p over the best [`TOPK_MAX`] candidates, with the uniform draw a
+/// hash of (`seed`, position + 1)), then sets `state = (t, position + 1)` and
+/// `tokens[position + 1] = t` (`tokens`: [cap] u32, the sequence's token history; positions
+/// past its end are not stored). Run inside a captured step, so a replay feeds itself.
+pub struct Sample<'a, B> {
+    pub cands: View<'a, B>,
+    pub params: SampleParams,
+    pub state: View<'a, B>,
+    pub tokens: View<'a, B>,
+}
+
+impl<B> Sample<'_, B> {
+    pub fn validate(&self) -> Result<()> {
+        if self.cands.len == 0 || self.cands.len % 2 != 0 || self.cands.len > 2 * TOPK_MAX * crate::comm::MAX_WORLD {
+            return Err(bad("sample", format!("{} candidate values", self.cands.len)));
+        }
+        let p = &self.params;
+        if !(p.temperature >= 0.0 && p.temperature.is_finite()) || !(p.top_p > 0.0 && p.top_p <= 1.0) {
+            return Err(bad("sample", format!("temperature {} top_p {}", p.temperature, p.top_p)));
+        }
+        expect("sample", "cands", &self.cands, self.cands.len, F32)?;
+        expect("sample", "state", &self.state, 2, U32)?;
+        expect("sample", "tokens", &self.tokens, self.tokens.len, U32)
+    }
+}
+
+/// The uniform draw of [`Sample`] for the token at `position`: splitmix64 (Steele, Lea, Flood
+/// 2014; the constants are the published ones) of `seed ^ position·φ`, top 24 bits scaled to
+/// [0, 1). Counter-based, so a replayed graph needs no RNG state; f32 with 24 bits so that
+/// CPU and GPU get the same value.
+pub fn sample_uniform(seed: u64, position: u32) -> f32 {
+    let mut z = seed ^ u64::from(position).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    (z >> 40) as f32 * (1.0 / (1u32 << 24) as f32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct B;
+    fn v(len: usize, dtype: DType) -> View<'static, B> {
+        View::new(&B, 0, len, dtype)
+    }
+
+    #[test]
+    fn matmul_checks_every_shape() {
+        let ok = Matmul { x: v(8, DType::F32), w: v(12, DType::BF16), bias: None, y: v(6, DType::F32), m: 2, k: 4, n: 3, prologue: Prologue::None };
+        ok.validate().unwrap();
+        let glu = Matmul { x: v(16, DType::F32), prologue: Prologue::SiluMul, ..ok };
+        glu.validate().unwrap();
+        let bad_y = Matmul { y: v(5, DType::F32), ..glu };
+        assert!(bad_y.validate().unwrap_err().to_string().contains("y has 5"), "{:?}", bad_y.validate().err());
+        let bad_w = Matmul { w: v(12, DType::U32), y: v(6, DType::F32), x: v(8, DType::F32), ..bad_y };
+        assert!(bad_w.validate().is_err());
+    }
+
+    #[test]
+    fn positions_must_be_u32() {
+        let r = Rope { x: v(16, DType::F32), inv_freq: v(2, DType::F32), pos: v(2, DType::F32), rows: 2, heads: 2, head_dim: 4 };
+        assert!(r.validate().unwrap_err().to_string().contains("pos is f32"));
+        Rope { pos: v(2, DType::U32), ..r }.validate().unwrap();
+    }
+
+    #[test]
+    fn topk_and_sample_bounds() {
+        let t = ShardTopK { logits: v(10, DType::F32), vocab_start: 0, k: TOPK_MAX + 1, out: v(2 * TOPK_MAX + 2, DType::F32) };
+        assert!(t.validate().is_err());
+        ShardTopK { k: 5, out: v(10, DType::F32), ..t }.validate().unwrap();
+        let p = SampleParams { temperature: 0.7, top_k: 0, top_p: 0.0, seed: 1 };
+        let s = Sample { cands: v(8, DType::F32), params: p, state: v(2, DType::U32), tokens: v(9, DType::U32) };
+        assert!(s.validate().is_err());
+        Sample { params: SampleParams { top_p: 1.0, ..p }, ..s }.validate().unwrap();
+    }
+
+    #[test]
+    fn uniform_draws_are_in_range_and_vary() {
+        let a: Vec<f32> = (0..1000).map(|p| sample_uniform(7, p)).collect();
+        assert!(a.iter().all(|&u| (0.0..1.0).contains(&u)));
+        let mean = a.iter().sum::<f32>() / 1000.0;
+        assert!((mean - 0.5).abs() < 0.05, "{mean}");
+        assert_ne!(sample_uniform(7, 3), sample_uniform(8, 3));
+    }
+}
