@@ -107,7 +107,8 @@ pub struct DecodeArgs {
     #[arg(long, default_value_t = 0.95)]
     pub top_p: f32,
 
-    /// Keep only the K most likely tokens (0 = all).
+    /// Keep only the K most likely tokens (1..=64; 0 = all of the 64 candidates the device
+    /// sampler gathers: tokens beyond the 64 most likely are never sampled).
     #[arg(long, default_value_t = 40)]
     pub top_k: usize,
 
@@ -118,6 +119,21 @@ pub struct DecodeArgs {
     /// Dtype of the weight matrices on the device: auto (as stored), f32, bf16, f16.
     #[arg(long, default_value = "auto")]
     pub dtype: String,
+
+    /// Dtype of the KV cache: auto (bf16 for 16-bit weights, f32 for f32 weights), f32,
+    /// bf16, f16.
+    #[arg(long, default_value = "auto")]
+    pub kv_dtype: String,
+
+    /// KV-cache length in tokens (prompt + generated); default: the model's context, at most
+    /// 4096. Its memory is allocated up front on every rank.
+    #[arg(long)]
+    pub max_seq: Option<usize>,
+
+    /// Greedy decoding one step at a time, writing every step's full-vocab logits (f32 little
+    /// endian, [steps, vocab]) to this file: for comparisons with a reference.
+    #[arg(long)]
+    pub dump_logits: Option<PathBuf>,
 
     /// Do not stop at the model's end-of-sequence ids.
     #[arg(long)]

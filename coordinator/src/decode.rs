@@ -10,7 +10,7 @@ use std::time::Duration;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tprun_kernels::DType;
-use tprun_rank::job::{Backend, DecodeSpec, Report, Task};
+use tprun_rank::job::{DecodeSpec, Report, Task};
 use tprun_rank::model::forward::DEFAULT_MAX_SEQ;
 use tprun_rank::model::{
     synth, Arch, ModelConfig, Preset, ShardPlan, SynthOptions, TextStream, Tokenizer,
@@ -75,6 +75,8 @@ struct Streamer {
     /// The prompt, echoed to stdout once loading is over (not under the progress bar).
     echo: Option<String>,
     loaded_s: Option<f64>,
+    load_bytes: u64,
+    device_bytes: u64,
     stats: Option<Report>,
     error: Option<String>,
 }
@@ -98,12 +100,18 @@ impl Observer for Streamer {
         match report {
             Report::LoadProgress { done, total } => {
                 if let Some(s) = &self.spinner {
-                    s.set_length(u64::from(total));
-                    s.set_position(u64::from(done));
+                    s.set_length(total);
+                    s.set_position(done);
                 }
             }
-            Report::Loaded { seconds } => {
+            Report::Loaded {
+                seconds,
+                bytes,
+                device_bytes,
+            } => {
                 self.loaded_s = Some(seconds);
+                self.load_bytes = bytes;
+                self.device_bytes = device_bytes;
                 self.loaded();
             }
             r @ Report::Decode { .. } => self.stats = Some(r),
@@ -139,33 +147,33 @@ fn percentile(sorted: &[f32], q: f64) -> f64 {
 }
 
 pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
-    // The decode ops have CPU kernels only so far: `auto` means cpu here, and an explicit GPU
-    // backend is refused before any rank starts.
-    let cpu;
-    let settings = match settings.backend {
-        Backend::Cpu => settings,
-        b if settings.backend_explicit => {
-            return Err(usage(format!(
-                "decode has no {} kernels yet (the {} backend runs the allreduce only); use --backend cpu",
-                b.name(),
-                b.name()
-            )))
-        }
-        _ => {
-            cpu = Settings {
-                backend: Backend::Cpu,
-                devices: settings.devices.clone(),
-                ..*settings
-            };
-            &cpu
-        }
-    };
     let dtype = parse_dtype(&args.dtype)?;
     if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
         return Err(usage("--temperature must be a finite number >= 0"));
     }
     if !(args.top_p > 0.0 && args.top_p <= 1.0) {
         return Err(usage("--top-p must be in (0, 1]"));
+    }
+    if args.top_k > tprun_kernels::ops::TOPK_MAX {
+        return Err(usage(format!(
+            "--top-k {} is more than the {} candidates the sampler gathers",
+            args.top_k,
+            tprun_kernels::ops::TOPK_MAX
+        )));
+    }
+    let kv_dtype = match args.kv_dtype.as_str() {
+        "auto" => None,
+        s => match DType::parse(s) {
+            Some(d) if d.is_float() => Some(d),
+            _ => {
+                return Err(usage(format!(
+                    "unknown --kv-dtype '{s}' (auto, f32, bf16, f16)"
+                )))
+            }
+        },
+    };
+    if args.max_seq == Some(0) {
+        return Err(usage("--max-seq must be at least 1"));
     }
     let _default;
     let dir: PathBuf = match &args.model {
@@ -189,14 +197,19 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
         (None, None) => DEFAULT_PROMPT.to_string(),
     };
     let prompt = tok.encode(&text).map_err(bad)?;
-    let context = cfg.max_positions.min(DEFAULT_MAX_SEQ);
+    let context = args
+        .max_seq
+        .unwrap_or(cfg.max_positions.min(DEFAULT_MAX_SEQ));
+    if context >= u32::MAX as usize {
+        return Err(usage(format!("--max-seq {context}: positions are 32-bit")));
+    }
     if prompt.is_empty() {
         return Err(bad("the prompt encodes to no tokens"));
     }
     if prompt.len() >= context {
         return Err(bad(format!(
-            "the prompt is {} tokens; the context holds {context} (max_position_embeddings {} in \
-             {}, capped at {DEFAULT_MAX_SEQ})",
+            "the prompt is {} tokens; the context holds {context} (--max-seq, or \
+             max_position_embeddings {} in {} capped at {DEFAULT_MAX_SEQ})",
             prompt.len(),
             cfg.max_positions,
             dir.join("config.json").display()
@@ -217,17 +230,46 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
     }
     // Hidden when stderr is not a terminal (indicatif's default draw target).
     let spinner = (!args.json).then(|| {
-        let s = ProgressBar::new(u64::try_from(cfg.layers).unwrap_or(0));
+        let s = ProgressBar::new(0);
         s.set_style(
-            ProgressStyle::with_template("loading weights {bar:30} {pos}/{len} layers {elapsed}")
-                .expect("template"),
+            ProgressStyle::with_template(
+                "loading weights (rank 0) {bar:30} {bytes}/{total_bytes} {bytes_per_sec} {elapsed}",
+            )
+            .expect("template"),
         );
         s.enable_steady_tick(Duration::from_millis(100));
         s
     });
+    // auto: 16-bit weights get a bf16 cache, f32 weights an f32 one.
+    let weights_dtype = match dtype {
+        Some(d) => d,
+        None => tprun_rank::model::safetensors::Checkpoint::open(&dir)
+            .and_then(|c| c.dtype_of("model.embed_tokens.weight"))
+            .map_err(bad)?,
+    };
+    let kv_dtype = kv_dtype.unwrap_or(if weights_dtype == DType::F32 {
+        DType::F32
+    } else {
+        DType::BF16
+    });
+    let model_path = dir
+        .to_str()
+        .ok_or_else(|| bad(format!("the model path {} is not UTF-8", dir.display())))?
+        .to_string();
+    let dump_logits = match &args.dump_logits {
+        None => None,
+        Some(p) => Some(
+            p.to_str()
+                .ok_or_else(|| bad(format!("the path {} is not UTF-8", p.display())))?
+                .to_string(),
+        ),
+    };
     let spec = DecodeSpec {
-        model: dir.to_string_lossy().into_owned(),
+        model: model_path,
         dtype,
+        kv_dtype,
+        max_seq: args.max_seq,
+        dump_logits,
         prompt: prompt.clone(),
         max_new_tokens: args.max_new_tokens,
         stop: if args.ignore_eos {
@@ -249,6 +291,8 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
         spinner,
         echo: (!args.json).then(|| text.clone()),
         loaded_s: None,
+        load_bytes: 0,
+        device_bytes: 0,
         stats: None,
         error: None,
     };
@@ -270,6 +314,9 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
         prefill_s,
         decode_s,
         mut step_us,
+        step_bytes,
+        graph,
+        allreduces_per_step,
     }) = st.stats
     else {
         return Err(bad("rank 0 finished without reporting statistics"));
@@ -278,6 +325,9 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
     let load_s = st.loaded_s.unwrap_or(f64::NAN);
     let prefill_tps = prompt_tokens as f64 / prefill_s;
     let decode_tps = generated.saturating_sub(1) as f64 / decode_s;
+    let load_gbps = st.load_bytes as f64 / load_s / 1e9;
+    // Effective weight bandwidth of rank 0: the bytes one step reads over the median step.
+    let step_gbps = step_bytes as f64 / (percentile(&step_us, 0.5) / 1e6) / 1e9;
     let (p50, p99) = (
         percentile(&step_us, 0.5) / 1e3,
         percentile(&step_us, 0.99) / 1e3,
@@ -293,6 +343,14 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
             "text": st.text,
             "stopped_at_eos": stopped,
             "load_s": load_s,
+            "load_bytes_rank0": st.load_bytes,
+            "load_gb_per_s": load_gbps,
+            "device_bytes_per_rank": st.device_bytes,
+            "kv_dtype": kv_dtype.name(),
+            "graph": graph,
+            "allreduces_per_step": allreduces_per_step,
+            "step_weight_bytes_rank0": step_bytes,
+            "weight_gb_per_s": step_gbps,
             "prefill_tokens": prompt_tokens,
             "prefill_s": prefill_s,
             "prefill_tokens_per_s": prefill_tps,
@@ -305,10 +363,11 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
         println!("{}", serde_json::to_string_pretty(&v).expect("json"));
     } else {
         eprintln!(
-            "load {load_s:.2} s · prefill {prompt_tokens} tokens {:.1} ms ({prefill_tps:.0} tok/s) · \
-             decode {generated} tokens {:.2} s ({decode_tps:.1} tok/s) · per token p50 {p50:.2} ms, p99 {p99:.2} ms{}",
+            "load {load_s:.2} s ({load_gbps:.1} GB/s) · prefill {prompt_tokens} tokens {:.1} ms ({prefill_tps:.0} tok/s) · \
+             decode {generated} tokens {:.2} s ({decode_tps:.1} tok/s, {step_gbps:.0} GB/s of weights{}) · per token p50 {p50:.2} ms, p99 {p99:.2} ms{}",
             prefill_s * 1e3,
             decode_s,
+            if graph { ", one graph per token" } else { "" },
             if stopped { " · stopped at end of sequence" } else { "" }
         );
     }

@@ -152,6 +152,13 @@ pub struct AddNorm<'a, B> {
     pub eps: f32,
 }
 
+impl<B> Clone for AddNorm<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B> Copy for AddNorm<'_, B> {}
+
 impl<'a, B> AllreduceArgs<'a, B> {
     /// The epilogue as an op on the summed data.
     pub fn add_norm_op(&self) -> Option<crate::ops::AddRmsNorm<'a, B>> {

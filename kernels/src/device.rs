@@ -201,6 +201,11 @@ pub trait Device: Send + Sync + 'static {
     /// Maps a peer's shareable buffer into this process.
     fn import(&self, export: Export) -> Result<Self::Buf>;
 
+    /// (free, total) bytes of device memory, where the backend can tell (GPUs).
+    fn mem_info(&self) -> Option<(u64, u64)> {
+        None
+    }
+
     /// Host → device copy of `src` to `dst` at byte `offset`.
     fn write(&self, dst: &Self::Buf, offset: usize, src: &[u8]) -> Result<()>;
 

@@ -20,6 +20,6 @@ pub mod rng;
 
 pub use comm::{AllreduceArgs, CommAlgo, CommLayout};
 pub use device::{Device, DeviceInfo, Export, ExportMeta, Op, View};
-pub use ops::Prologue;
 pub use dtype::DType;
 pub use error::{KernelError, Result};
+pub use ops::Prologue;

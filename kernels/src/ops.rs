@@ -17,9 +17,18 @@ fn bad(op: &str, why: impl std::fmt::Display) -> KernelError {
 }
 
 /// `v` must hold exactly `len` elements of `dtype` (`None`: any float dtype).
-fn expect<B>(op: &str, what: &str, v: &View<'_, B>, len: usize, dtype: Option<DType>) -> Result<()> {
+fn expect<B>(
+    op: &str,
+    what: &str,
+    v: &View<'_, B>,
+    len: usize,
+    dtype: Option<DType>,
+) -> Result<()> {
     if v.len != len {
-        return Err(bad(op, format!("{what} has {} elements, expected {len}", v.len)));
+        return Err(bad(
+            op,
+            format!("{what} has {} elements, expected {len}", v.len),
+        ));
     }
     match dtype {
         Some(d) if v.dtype != d => Err(bad(op, format!("{what} is {}, expected {d}", v.dtype))),
@@ -40,7 +49,10 @@ pub struct Copy<'a, B> {
 impl<B> Copy<'_, B> {
     pub fn validate(&self) -> Result<()> {
         if self.src.len != self.dst.len {
-            return Err(bad("copy", format!("{} elements into {}", self.src.len, self.dst.len)));
+            return Err(bad(
+                "copy",
+                format!("{} elements into {}", self.src.len, self.dst.len),
+            ));
         }
         if (self.src.dtype == DType::U32) != (self.dst.dtype == DType::U32) {
             return Err(bad("copy", "u32 copies only to u32"));
@@ -62,7 +74,13 @@ impl<B> ReduceSum<'_, B> {
             return Err(bad("reduce_sum", "no inputs"));
         }
         for v in self.inputs {
-            expect("reduce_sum", "an input", v, self.out.len, Some(self.out.dtype))?;
+            expect(
+                "reduce_sum",
+                "an input",
+                v,
+                self.out.len,
+                Some(self.out.dtype),
+            )?;
         }
         expect("reduce_sum", "out", &self.out, self.out.len, None)
     }
@@ -89,11 +107,20 @@ pub struct Embedding<'a, B> {
 impl<B> Embedding<'_, B> {
     pub fn validate(&self) -> Result<()> {
         if self.hidden == 0 || self.table.len % self.hidden != 0 {
-            return Err(bad("embedding", format!("table of {} is not rows of {}", self.table.len, self.hidden)));
+            return Err(bad(
+                "embedding",
+                format!("table of {} is not rows of {}", self.table.len, self.hidden),
+            ));
         }
         expect("embedding", "table", &self.table, self.table.len, None)?;
         expect("embedding", "ids", &self.ids, self.ids.len, U32)?;
-        expect("embedding", "out", &self.out, self.ids.len * self.hidden, F32)
+        expect(
+            "embedding",
+            "out",
+            &self.out,
+            self.ids.len * self.hidden,
+            F32,
+        )
     }
 }
 
@@ -161,7 +188,13 @@ impl<B> Rope<'_, B> {
         if self.head_dim % 2 != 0 {
             return Err(bad("rope", format!("odd head_dim {}", self.head_dim)));
         }
-        expect("rope", "x", &self.x, self.rows * self.heads * self.head_dim, F32)?;
+        expect(
+            "rope",
+            "x",
+            &self.x,
+            self.rows * self.heads * self.head_dim,
+            F32,
+        )?;
         expect("rope", "inv_freq", &self.inv_freq, self.head_dim / 2, F32)?;
         expect("rope", "pos", &self.pos, self.rows, U32)
     }
@@ -198,13 +231,25 @@ impl<B> QkvRope<'_, B> {
     pub fn validate(&self) -> Result<()> {
         let (d, kv) = (self.head_dim, self.kv_heads * self.head_dim);
         if d % 2 != 0 || kv == 0 || self.k_cache.len % kv != 0 {
-            return Err(bad("qkv_rope", format!("cache of {} is not rows of {kv} (head_dim {d})", self.k_cache.len)));
+            return Err(bad(
+                "qkv_rope",
+                format!(
+                    "cache of {} is not rows of {kv} (head_dim {d})",
+                    self.k_cache.len
+                ),
+            ));
         }
         let w = (self.heads + 2 * self.kv_heads) * d;
         expect("qkv_rope", "qkv", &self.qkv, self.rows * w, F32)?;
         expect("qkv_rope", "q", &self.q, self.rows * self.heads * d, F32)?;
         expect("qkv_rope", "k_cache", &self.k_cache, self.k_cache.len, None)?;
-        expect("qkv_rope", "v_cache", &self.v_cache, self.k_cache.len, Some(self.k_cache.dtype))?;
+        expect(
+            "qkv_rope",
+            "v_cache",
+            &self.v_cache,
+            self.k_cache.len,
+            Some(self.k_cache.dtype),
+        )?;
         expect("qkv_rope", "pos", &self.pos, self.rows, U32)?;
         expect("qkv_rope", "inv_freq", &self.inv_freq, d / 2, F32)?;
         if self.q_norm.is_some() != self.k_norm.is_some() {
@@ -258,20 +303,38 @@ impl<B> Attention<'_, B> {
     pub fn validate(&self) -> Result<()> {
         let (h, kvh, d) = (self.heads, self.kv_heads, self.head_dim);
         if h == 0 || kvh == 0 || d == 0 || h % kvh != 0 {
-            return Err(bad("attention", format!("{h} query heads over {kvh} KV heads")));
+            return Err(bad(
+                "attention",
+                format!("{h} query heads over {kvh} KV heads"),
+            ));
         }
         if self.k_cache.len % (kvh * d) != 0 || self.cap() == 0 {
             return Err(bad("attention", "the cache is not whole rows"));
         }
         expect("attention", "q", &self.q, self.rows * h * d, F32)?;
         expect("attention", "out", &self.out, self.rows * h * d, F32)?;
-        expect("attention", "k_cache", &self.k_cache, self.k_cache.len, None)?;
-        expect("attention", "v_cache", &self.v_cache, self.k_cache.len, Some(self.k_cache.dtype))?;
+        expect(
+            "attention",
+            "k_cache",
+            &self.k_cache,
+            self.k_cache.len,
+            None,
+        )?;
+        expect(
+            "attention",
+            "v_cache",
+            &self.v_cache,
+            self.k_cache.len,
+            Some(self.k_cache.dtype),
+        )?;
         expect("attention", "pos", &self.pos, self.rows, U32)?;
         if let Some(ws) = &self.workspace {
             let need = Self::workspace_len(self.rows, h, d, self.cap());
             if ws.dtype != DType::F32 || ws.len < need {
-                return Err(bad("attention", format!("workspace of {} {}, need {need} f32", ws.len, ws.dtype)));
+                return Err(bad(
+                    "attention",
+                    format!("workspace of {} {}, need {need} f32", ws.len, ws.dtype),
+                ));
             }
         }
         Ok(())
@@ -372,7 +435,10 @@ pub struct ShardTopK<'a, B> {
 impl<B> ShardTopK<'_, B> {
     pub fn validate(&self) -> Result<()> {
         if self.k == 0 || self.k > TOPK_MAX {
-            return Err(bad("shard_topk", format!("k = {} (1..={TOPK_MAX})", self.k)));
+            return Err(bad(
+                "shard_topk",
+                format!("k = {} (1..={TOPK_MAX})", self.k),
+            ));
         }
         if self.vocab_start + self.logits.len > 1 << 24 {
             return Err(bad("shard_topk", "vocab ids must stay below 2^24"));
@@ -411,12 +477,23 @@ pub struct Sample<'a, B> {
 
 impl<B> Sample<'_, B> {
     pub fn validate(&self) -> Result<()> {
-        if self.cands.len == 0 || self.cands.len % 2 != 0 || self.cands.len > 2 * TOPK_MAX * crate::comm::MAX_WORLD {
-            return Err(bad("sample", format!("{} candidate values", self.cands.len)));
+        if self.cands.len == 0
+            || self.cands.len % 2 != 0
+            || self.cands.len > 2 * TOPK_MAX * crate::comm::MAX_WORLD
+        {
+            return Err(bad(
+                "sample",
+                format!("{} candidate values", self.cands.len),
+            ));
         }
         let p = &self.params;
-        if !(p.temperature >= 0.0 && p.temperature.is_finite()) || !(p.top_p > 0.0 && p.top_p <= 1.0) {
-            return Err(bad("sample", format!("temperature {} top_p {}", p.temperature, p.top_p)));
+        if !(p.temperature >= 0.0 && p.temperature.is_finite())
+            || !(p.top_p > 0.0 && p.top_p <= 1.0)
+        {
+            return Err(bad(
+                "sample",
+                format!("temperature {} top_p {}", p.temperature, p.top_p),
+            ));
         }
         expect("sample", "cands", &self.cands, self.cands.len, F32)?;
         expect("sample", "state", &self.state, 2, U32)?;
@@ -448,32 +525,99 @@ mod tests {
 
     #[test]
     fn matmul_checks_every_shape() {
-        let ok = Matmul { x: v(8, DType::F32), w: v(12, DType::BF16), bias: None, y: v(6, DType::F32), m: 2, k: 4, n: 3, prologue: Prologue::None };
+        let ok = Matmul {
+            x: v(8, DType::F32),
+            w: v(12, DType::BF16),
+            bias: None,
+            y: v(6, DType::F32),
+            m: 2,
+            k: 4,
+            n: 3,
+            prologue: Prologue::None,
+        };
         ok.validate().unwrap();
-        let glu = Matmul { x: v(16, DType::F32), prologue: Prologue::SiluMul, ..ok };
+        let glu = Matmul {
+            x: v(16, DType::F32),
+            prologue: Prologue::SiluMul,
+            ..ok
+        };
         glu.validate().unwrap();
-        let bad_y = Matmul { y: v(5, DType::F32), ..glu };
-        assert!(bad_y.validate().unwrap_err().to_string().contains("y has 5"), "{:?}", bad_y.validate().err());
-        let bad_w = Matmul { w: v(12, DType::U32), y: v(6, DType::F32), x: v(8, DType::F32), ..bad_y };
+        let bad_y = Matmul {
+            y: v(5, DType::F32),
+            ..glu
+        };
+        assert!(
+            bad_y
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("y has 5"),
+            "{:?}",
+            bad_y.validate().err()
+        );
+        let bad_w = Matmul {
+            w: v(12, DType::U32),
+            y: v(6, DType::F32),
+            x: v(8, DType::F32),
+            ..bad_y
+        };
         assert!(bad_w.validate().is_err());
     }
 
     #[test]
     fn positions_must_be_u32() {
-        let r = Rope { x: v(16, DType::F32), inv_freq: v(2, DType::F32), pos: v(2, DType::F32), rows: 2, heads: 2, head_dim: 4 };
+        let r = Rope {
+            x: v(16, DType::F32),
+            inv_freq: v(2, DType::F32),
+            pos: v(2, DType::F32),
+            rows: 2,
+            heads: 2,
+            head_dim: 4,
+        };
         assert!(r.validate().unwrap_err().to_string().contains("pos is f32"));
-        Rope { pos: v(2, DType::U32), ..r }.validate().unwrap();
+        Rope {
+            pos: v(2, DType::U32),
+            ..r
+        }
+        .validate()
+        .unwrap();
     }
 
     #[test]
     fn topk_and_sample_bounds() {
-        let t = ShardTopK { logits: v(10, DType::F32), vocab_start: 0, k: TOPK_MAX + 1, out: v(2 * TOPK_MAX + 2, DType::F32) };
+        let t = ShardTopK {
+            logits: v(10, DType::F32),
+            vocab_start: 0,
+            k: TOPK_MAX + 1,
+            out: v(2 * TOPK_MAX + 2, DType::F32),
+        };
         assert!(t.validate().is_err());
-        ShardTopK { k: 5, out: v(10, DType::F32), ..t }.validate().unwrap();
-        let p = SampleParams { temperature: 0.7, top_k: 0, top_p: 0.0, seed: 1 };
-        let s = Sample { cands: v(8, DType::F32), params: p, state: v(2, DType::U32), tokens: v(9, DType::U32) };
+        ShardTopK {
+            k: 5,
+            out: v(10, DType::F32),
+            ..t
+        }
+        .validate()
+        .unwrap();
+        let p = SampleParams {
+            temperature: 0.7,
+            top_k: 0,
+            top_p: 0.0,
+            seed: 1,
+        };
+        let s = Sample {
+            cands: v(8, DType::F32),
+            params: p,
+            state: v(2, DType::U32),
+            tokens: v(9, DType::U32),
+        };
         assert!(s.validate().is_err());
-        Sample { params: SampleParams { top_p: 1.0, ..p }, ..s }.validate().unwrap();
+        Sample {
+            params: SampleParams { top_p: 1.0, ..p },
+            ..s
+        }
+        .validate()
+        .unwrap();
     }
 
     #[test]

@@ -11,4 +11,19 @@ pub trait Collectives<D: Device> {
     /// that every rank ends with bitwise the same values. Every rank must call it with the
     /// same length and dtype, in the same order.
     fn allreduce(&mut self, data: View<'_, D::Buf>) -> Result<(), crate::RankError>;
+
+    /// The communicator's call counter (what the next call derives its epoch from). A graph
+    /// that captured `n` allreduces advances the device's counters by `n` per replay; the
+    /// caller keeps the host's in step with [`Collectives::set_epoch`].
+    fn epoch(&self) -> u32 {
+        0
+    }
+
+    fn set_epoch(&mut self, _epoch: u32) {}
+
+    /// Whether an allreduce of `bytes` can be captured in a device graph (`host` cannot: it
+    /// synchronises and meets the peers on the host).
+    fn capturable(&self, _bytes: usize) -> bool {
+        true
+    }
 }

@@ -230,10 +230,10 @@ impl<D: Device> Communicator<D> {
             // `host`: the copy into our slot, its sync and the barrier are the host's part.
             let slot = self.layout.slot_offset(self.epoch);
             let mine = View::new(refs[self.rank], slot, data.len, data.dtype);
-            self.dev.run(&Op::Copy {
+            self.dev.run(&Op::Copy(tprun_kernels::ops::Copy {
                 src: data,
                 dst: mine,
-            })?;
+            }))?;
             self.dev.sync()?;
             // Every rank's input is in its slot (the sync above finished the copy; the
             // barrier's AcqRel/Release chain publishes it to the readers).
@@ -270,6 +270,7 @@ impl<D: Device> Communicator<D> {
             layout: self.layout,
             timeout: self.timeout,
             abort: Some(self.control.abort_word()),
+            add_norm: None,
         }
     }
 
@@ -314,5 +315,17 @@ impl<D: Device> Collectives<D> for Communicator<D> {
 
     fn allreduce(&mut self, data: View<'_, D::Buf>) -> Result<(), RankError> {
         self.allreduce_with(self.default_algo, data)
+    }
+
+    fn epoch(&self) -> u32 {
+        self.epoch
+    }
+
+    fn set_epoch(&mut self, epoch: u32) {
+        self.epoch = epoch;
+    }
+
+    fn capturable(&self, bytes: usize) -> bool {
+        self.resolve(self.default_algo, bytes) != Algo::Host
     }
 }

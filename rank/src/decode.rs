@@ -11,7 +11,7 @@ use tprun_kernels::Device;
 
 use crate::comm::Communicator;
 use crate::job::{self, Backend, DecodeSpec, Report};
-use crate::model::{generate, GenerateOptions, LoadOptions, Model, Sampler, SamplerConfig};
+use crate::model::{generate, GenerateOptions, LoadOptions, Model, ModelConfig, SamplerConfig};
 use crate::run::RankCtx;
 use crate::RankError;
 
@@ -29,17 +29,30 @@ pub fn run<D: Device>(
     let t0 = Instant::now();
     let opts = LoadOptions {
         dtype: spec.dtype,
+        kv_dtype: spec.kv_dtype,
+        max_seq: spec.max_seq,
         ..LoadOptions::default()
     };
+    let cfg = ModelConfig::from_dir(Path::new(&spec.model))?;
     // Loading a large shard is disk-bound and may outlast --timeout; it beats on its own
-    // thread meanwhile so that the coordinator does not take it for a stall.
+    // thread meanwhile so that the coordinator does not take it for a stall. Rank 0 reports
+    // its bytes (at most every 1/8 s: the coordinator only draws a bar).
+    let mut last = Instant::now();
     let mut model = ctx.beating(|| {
-        Model::load(
+        Model::load_with_progress(
             dev.clone(),
             Path::new(&spec.model),
+            cfg,
             ctx.rank,
             ctx.world,
             &opts,
+            &mut |done, total| {
+                if ctx.rank == 0 && (last.elapsed() >= Duration::from_millis(125) || done == total)
+                {
+                    last = Instant::now();
+                    let _ = report(conn, &Report::LoadProgress { done, total });
+                }
+            },
         )
     })?;
     if ctx.rank == 0 {
@@ -47,6 +60,8 @@ pub fn run<D: Device>(
             conn,
             &Report::Loaded {
                 seconds: t0.elapsed().as_secs_f64(),
+                bytes: model.load_bytes(),
+                device_bytes: model.device_bytes(),
             },
         )?;
     }
@@ -61,12 +76,12 @@ pub fn run<D: Device>(
         spin,
     )?;
     ctx.enter(Phase::Prefill);
-    let mut sampler = Sampler::new(SamplerConfig {
+    let sampler = SamplerConfig {
         temperature: spec.temperature,
         top_k: spec.top_k,
         top_p: spec.top_p,
         seed: spec.seed,
-    });
+    };
     let gen = GenerateOptions {
         max_new_tokens: spec.max_new_tokens,
         stop: spec.stop.clone(),
@@ -75,26 +90,38 @@ pub fn run<D: Device>(
     let mut last: Option<Instant> = None;
     let control = ctx.control.clone();
     let rank = ctx.rank;
-    let stats = generate(
-        &mut model,
-        &mut comm,
-        &mut sampler,
-        &spec.prompt,
-        &gen,
-        &mut |id| {
-            let now = Instant::now();
-            match last {
-                None => ctx.enter(Phase::Decode),
-                Some(t) => steps.push((now - t).as_secs_f32() * 1e6),
-            }
-            last = Some(now);
-            if rank == 0 {
-                control.push_token(id, timeout)?;
-            }
-            control.beat(rank);
-            Ok(true)
-        },
-    )?;
+    let mut publish = |id: u32| -> Result<bool, RankError> {
+        let now = Instant::now();
+        match last {
+            None => ctx.enter(Phase::Decode),
+            Some(t) => steps.push((now - t).as_secs_f32() * 1e6),
+        }
+        last = Some(now);
+        if rank == 0 {
+            control.push_token(id, timeout)?;
+        }
+        control.beat(rank);
+        Ok(true)
+    };
+    let stats = match &spec.dump_logits {
+        None => generate(
+            &mut model,
+            &mut comm,
+            &sampler,
+            &spec.prompt,
+            &gen,
+            &mut publish,
+        )?,
+        Some(path) => dump_logits(
+            &mut model,
+            &mut comm,
+            &spec.prompt,
+            &gen,
+            path,
+            rank,
+            &mut publish,
+        )?,
+    };
     comm.close()?;
     if ctx.rank == 0 {
         report(
@@ -106,10 +133,73 @@ pub fn run<D: Device>(
                 prefill_s: stats.prefill.as_secs_f64(),
                 decode_s: stats.decode.as_secs_f64(),
                 step_us: steps,
+                step_bytes: model.step_bytes(),
+                graph: stats.graph,
+                allreduces_per_step: stats.allreduces_per_step,
             },
         )?;
     }
     Ok(())
+}
+
+/// Greedy generation one step at a time through [`Model::prefill`] and [`Model::step`], with
+/// every step's full-vocab logits appended to `path` by rank 0 (f32 little endian): the
+/// reference-comparison mode. Slower than [`generate`] (a host round trip per token).
+#[allow(clippy::too_many_arguments)]
+fn dump_logits<D: Device>(
+    model: &mut Model<D>,
+    comm: &mut Communicator<D>,
+    prompt: &[u32],
+    gen: &GenerateOptions,
+    path: &str,
+    rank: usize,
+    on_token: &mut dyn FnMut(u32) -> Result<bool, RankError>,
+) -> Result<crate::model::GenerateStats, RankError> {
+    use std::io::Write;
+    let mut out = if rank == 0 {
+        Some(std::io::BufWriter::new(
+            std::fs::File::create(path)
+                .map_err(|e| RankError::Other(format!("creating {path}: {e}")))?,
+        ))
+    } else {
+        None
+    };
+    let mut st = crate::model::GenerateStats {
+        prompt_tokens: prompt.len(),
+        ..Default::default()
+    };
+    let t0 = Instant::now();
+    let mut logits = model.prefill(comm, prompt)?.to_vec();
+    st.prefill = t0.elapsed();
+    let t1 = Instant::now();
+    let budget = gen
+        .max_new_tokens
+        .min(model.max_seq().saturating_sub(prompt.len()) + 1);
+    let mut pos = prompt.len();
+    while st.generated < budget {
+        if let Some(o) = &mut out {
+            let bytes: Vec<u8> = logits.iter().flat_map(|l| l.to_le_bytes()).collect();
+            o.write_all(&bytes)
+                .map_err(|e| RankError::Other(format!("writing {path}: {e}")))?;
+        }
+        let next = crate::model::sample::argmax(&logits);
+        if gen.stop.contains(&next) {
+            st.stopped = true;
+            break;
+        }
+        st.generated += 1;
+        if !on_token(next)? || st.generated == budget {
+            break;
+        }
+        logits = model.step(comm, next, pos)?.to_vec();
+        pos += 1;
+    }
+    if let Some(o) = &mut out {
+        o.flush()
+            .map_err(|e| RankError::Other(format!("writing {path}: {e}")))?;
+    }
+    st.decode = t1.elapsed();
+    Ok(st)
 }
 
 fn report(conn: &Conn, r: &Report) -> Result<(), RankError> {

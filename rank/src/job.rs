@@ -83,6 +83,13 @@ pub struct DecodeSpec {
     pub model: String,
     /// Matrix dtype on the device; `None` = as stored in the checkpoint.
     pub dtype: Option<DType>,
+    /// KV-cache dtype.
+    pub kv_dtype: DType,
+    /// KV-cache length in tokens (`None`: the model's, capped at 4096).
+    pub max_seq: Option<usize>,
+    /// Write each step's full-vocab logits (f32, little endian, `[steps, vocab]`) to this
+    /// file (rank 0), for comparisons with a reference; steps then run one at a time.
+    pub dump_logits: Option<String>,
     pub prompt: Vec<u32>,
     pub max_new_tokens: usize,
     /// Generation stops at these ids (empty with --ignore-eos).
@@ -137,10 +144,15 @@ pub enum Report {
         /// capturable algorithms), µs.
         graph_us: Option<f32>,
     },
-    /// Rank 0 has loaded `done` of its shard's `total` layers.
-    LoadProgress { done: u32, total: u32 },
-    /// Rank 0 loaded its shard (seconds).
-    Loaded { seconds: f64 },
+    /// Rank 0 has moved `done` of its shard's `total` weight bytes to its device.
+    LoadProgress { done: u64, total: u64 },
+    /// Rank 0 loaded its shard: seconds, weight bytes, and its device's memory use after
+    /// allocating the KV cache and scratch (bytes; 0 where unknown).
+    Loaded {
+        seconds: f64,
+        bytes: u64,
+        device_bytes: u64,
+    },
     /// Rank 0's decode statistics; the tokens themselves went through the control block's
     /// token ring.
     Decode {
@@ -149,8 +161,14 @@ pub enum Report {
         stopped: bool,
         prefill_s: f64,
         decode_s: f64,
-        /// Time of each decode step (sample → next logits), µs.
+        /// Time between consecutive tokens reaching the host, µs.
         step_us: Vec<f32>,
+        /// Weight bytes one step reads on rank 0.
+        step_bytes: u64,
+        /// Decode steps ran as replays of one captured device graph.
+        graph: bool,
+        /// Collective calls per decode step.
+        allreduces_per_step: u32,
     },
 }
 

@@ -9,7 +9,7 @@ use tprun_kernels::cpu::CpuDevice;
 use tprun_kernels::DType;
 use tprun_rank::model::{
     generate, synth, Arch, GenerateOptions, LoadOptions, LocalComm, Model, ModelConfig, Preset,
-    Sampler, SamplerConfig, SynthOptions, TextStream, Tokenizer,
+    SamplerConfig, SynthOptions, TextStream, Tokenizer,
 };
 
 #[test]
@@ -49,18 +49,18 @@ fn synth_tokenize_load_generate_stream() {
                     let mut model =
                         Model::load(dev, dir, rank, world, &LoadOptions::default()).unwrap();
                     assert!(model.max_allreduce_bytes() >= cfg_bytes(model.config()));
-                    let mut sampler = Sampler::new(SamplerConfig {
+                    let sampler = SamplerConfig {
                         temperature: 0.8,
                         top_k: 40,
                         top_p: 0.95,
                         seed: 1234,
-                    });
+                    };
                     let g = GenerateOptions {
                         max_new_tokens: 16,
                         stop: stop.clone(),
                     };
                     let mut ids = Vec::new();
-                    let st = generate(&mut model, &mut comm, &mut sampler, prompt, &g, &mut |t| {
+                    let st = generate(&mut model, &mut comm, &sampler, prompt, &g, &mut |t| {
                         ids.push(t);
                         Ok(true)
                     })

@@ -110,8 +110,9 @@ impl CudaBuf {
         ctx.bind_to_thread()
             .map_err(driver_err("binding the context"))?;
         // SAFETY: context current; at least 1 byte.
-        let (h, d) = unsafe { result::mem::host_alloc_mapped(bytes.max(1)) }
-            .map_err(driver_err(format!("cuMemHostAlloc (DEVICEMAP) of {bytes} bytes")))?;
+        let (h, d) = unsafe { result::mem::host_alloc_mapped(bytes.max(1)) }.map_err(
+            driver_err(format!("cuMemHostAlloc (DEVICEMAP) of {bytes} bytes")),
+        )?;
         let host = h.cast::<u8>();
         // SAFETY: a fresh allocation of at least `bytes` bytes.
         unsafe { std::ptr::write_bytes(host, 0, bytes.max(1)) };
@@ -130,7 +131,9 @@ impl CudaBuf {
     pub(crate) fn read_host(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.check(offset, dst.len())?;
         let Backing::HostMapped { host } = self.backing else {
-            return Err(KernelError::Invalid("read_mapped of a buffer that is not host-mapped".into()));
+            return Err(KernelError::Invalid(
+                "read_mapped of a buffer that is not host-mapped".into(),
+            ));
         };
         for (i, d) in dst.iter_mut().enumerate() {
             // SAFETY: bounds-checked above; a live pinned allocation.

@@ -15,11 +15,11 @@
 
 pub mod decode;
 pub mod launch;
+pub mod mem;
 mod ops_attention;
 mod ops_decode;
 mod ops_gemv;
 mod ops_sample;
-pub mod mem;
 pub mod probe;
 pub mod program;
 pub mod result;
@@ -465,6 +465,13 @@ impl Device for CudaDevice {
             .synchronize()
             .map_err(driver_err("cuEventSynchronize"))?;
         self.take_device_error()
+    }
+
+    fn mem_info(&self) -> Option<(u64, u64)> {
+        self.bind().ok()?;
+        dr::mem_get_info()
+            .ok()
+            .map(|(free, total)| (free as u64, total as u64))
     }
 
     fn alloc_mapped(&self, bytes: usize) -> Result<CudaBuf> {

@@ -19,6 +19,10 @@ pub(crate) fn launch(_l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
 }
 
 /// This family's twin cases (see `twin`).
-pub(crate) fn selftest(_gpu: &CudaDevice, _cpu: &CpuDevice, _seed: u64) -> Result<Vec<SelftestResult>> {
+pub(crate) fn selftest(
+    _gpu: &CudaDevice,
+    _cpu: &CpuDevice,
+    _seed: u64,
+) -> Result<Vec<SelftestResult>> {
     Ok(Vec::new())
 }

@@ -27,15 +27,30 @@ pub(crate) struct Buf {
 impl Buf {
     /// An input: given contents, not compared.
     pub(crate) fn input(dtype: DType, bytes: Vec<u8>) -> Buf {
-        Buf { dtype, len: bytes.len() / dtype.size(), init: Some(bytes), check: false }
+        Buf {
+            dtype,
+            len: bytes.len() / dtype.size(),
+            init: Some(bytes),
+            check: false,
+        }
     }
     /// An output: poisoned, compared.
     pub(crate) fn output(dtype: DType, len: usize) -> Buf {
-        Buf { dtype, len, init: None, check: true }
+        Buf {
+            dtype,
+            len,
+            init: None,
+            check: true,
+        }
     }
     /// Updated in place: given contents, compared.
     pub(crate) fn inout(dtype: DType, bytes: Vec<u8>) -> Buf {
-        Buf { dtype, len: bytes.len() / dtype.size(), init: Some(bytes), check: true }
+        Buf {
+            dtype,
+            len: bytes.len() / dtype.size(),
+            init: Some(bytes),
+            check: true,
+        }
     }
     /// An output that only some elements of are written (a KV cache row, a scratch area):
     /// filled with `init`, compared in full (so stray writes show).
@@ -81,7 +96,10 @@ fn setup<D: Device>(dev: &D, bufs: &[Buf]) -> Result<Vec<D::Buf>> {
 }
 
 fn views<'a, B>(bufs: &'a [B], spec: &[Buf]) -> Vec<View<'a, B>> {
-    bufs.iter().zip(spec).map(|(b, s)| View::new(b, 0, s.len, s.dtype)).collect()
+    bufs.iter()
+        .zip(spec)
+        .map(|(b, s)| View::new(b, 0, s.len, s.dtype))
+        .collect()
 }
 
 fn read<D: Device>(dev: &D, buf: &D::Buf, spec: &Buf) -> Result<Vec<u8>> {
@@ -94,25 +112,40 @@ fn read<D: Device>(dev: &D, buf: &D::Buf, spec: &Buf) -> Result<Vec<u8>> {
 fn differ(spec: &Buf, got: &[u8], want: &[u8], tol: Tol) -> Option<String> {
     if spec.dtype == DType::U32 || tol == Tol::Exact {
         let e = spec.dtype.size();
-        return got.chunks(e).zip(want.chunks(e)).position(|(a, b)| a != b).map(|i| {
-            format!(
-                "element {i}: got {:02x?}, expected {:02x?}",
-                &got[i * e..(i + 1) * e],
-                &want[i * e..(i + 1) * e]
-            )
-        });
+        return got
+            .chunks(e)
+            .zip(want.chunks(e))
+            .position(|(a, b)| a != b)
+            .map(|i| {
+                format!(
+                    "element {i}: got {:02x?}, expected {:02x?}",
+                    &got[i * e..(i + 1) * e],
+                    &want[i * e..(i + 1) * e]
+                )
+            });
     }
     let Tol::Rel(t) = tol else { unreachable!() };
     let (g, w) = (decode(spec.dtype, got), decode(spec.dtype, want));
-    g.iter().zip(&w).position(|(a, b)| {
-        let same_nan = a.is_nan() && b.is_nan();
-        !same_nan && !((a - b).abs() <= t * (1.0 + b.abs()))
-    })
-    .map(|i| format!("element {i}: got {}, expected {} (tolerance {t})", g[i], w[i]))
+    g.iter()
+        .zip(&w)
+        .position(|(a, b)| {
+            let same_nan = a.is_nan() && b.is_nan();
+            !same_nan && !((a - b).abs() <= t * (1.0 + b.abs()))
+        })
+        .map(|i| {
+            format!(
+                "element {i}: got {}, expected {} (tolerance {t})",
+                g[i], w[i]
+            )
+        })
 }
 
 /// Runs `case` on the GPU and on the CPU twin and compares every checked buffer.
-pub(crate) fn run<C: TwinCase>(gpu: &CudaDevice, cpu: &CpuDevice, case: &C) -> Result<SelftestResult> {
+pub(crate) fn run<C: TwinCase>(
+    gpu: &CudaDevice,
+    cpu: &CpuDevice,
+    case: &C,
+) -> Result<SelftestResult> {
     let spec = case.bufs();
     let gb: Vec<CudaBuf> = setup(gpu, &spec)?;
     let cb: Vec<CpuBuf> = setup(cpu, &spec)?;
@@ -132,7 +165,13 @@ pub(crate) fn run<C: TwinCase>(gpu: &CudaDevice, cpu: &CpuDevice, case: &C) -> R
             break;
         }
     }
-    Ok(SelftestResult { op: case.name(), dtype, elems, ok: detail.is_empty(), detail })
+    Ok(SelftestResult {
+        op: case.name(),
+        dtype,
+        elems,
+        ok: detail.is_empty(),
+        detail,
+    })
 }
 
 /// Every decode-op twin case, over random inputs from `seed`: the op families register

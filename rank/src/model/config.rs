@@ -427,6 +427,7 @@ impl ModelConfig {
                 DType::F32 => "float32",
                 DType::F16 => "float16",
                 DType::BF16 => "bfloat16",
+                DType::U32 => "uint32",
             });
         }
         v["eos_token_id"] = match self.eos.as_slice() {

@@ -1,28 +1,35 @@
 //! [`Model`]: one rank's shard of a Llama-family model on one device: its weights, its KV
-//! cache, its scratch buffers, and the forward pass (prefill of a whole prompt in batched
-//! matrix–matrix products, then one token per `step`).
+//! cache, its scratch and step-state buffers, and the forward pass (prefill of a prompt in
+//! batched matrix–matrix products, then one token per step).
 //!
-//! Every piece of math is an [`Op`] run through [`Device::run`], so a GPU backend runs this
-//! same forward; the model never touches a raw pointer. Per forward pass there are
-//! `2 · layers + 2` calls to [`Collectives::allreduce`], all on f32 buffers:
+//! Every piece of math is an [`Op`] run through [`Device::run`], so every backend runs this
+//! same forward; the model never touches a raw pointer. Token ids and positions live in a
+//! device buffer (`step`), never in op arguments, so that the single-token step — all layers,
+//! both allreduces per layer, the LM head, the candidate gather, sampling and the
+//! token/position update — is captured once as a device graph and replayed per token
+//! ([`Model::decode`]); the CPU backend runs the same ops directly.
 //!
+//! Collective calls per forward, all on f32 buffers (none at world 1):
 //! - the vocab-parallel embedding: each rank looks up the ids in its vocab rows and writes
 //!   zeros for the others, so the sum over ranks is the full lookup (exact: one non-zero term);
-//! - after o_proj and after down_proj (row-parallel: each rank's partial product);
-//! - the vocab-parallel LM head: each rank writes its vocab rows' logits into a zero-filled
-//!   full-vocab buffer and the allreduce of that buffer is an all-gather (again exact). It
-//!   moves `world` times the bytes a real all-gather would, which for one row of logits per
-//!   step is a few hundred KiB at most, and needs no second collective.
+//! - after o_proj and after down_proj (row-parallel: each rank's partial product), each
+//!   followed by the residual add and the next norm;
+//! - sampling: each rank's best [`TOPK`] logits of its vocab shard, as (logit, id) pairs in
+//!   its own part of a zero-filled buffer, so that the allreduce of that small buffer is an
+//!   all-gather (adding only zeros: exact). Every rank then picks the same token from the
+//!   same candidates with the same seeded draw.
 //!
 //! Only the row-parallel sums depend on the world size (their f32 addition order), so logits
 //! at different world sizes agree to about 1e-6 relative; on one world size every rank holds
-//! bitwise the same logits and so samples the same token.
+//! bitwise the same values and so picks the same token.
 //!
-//! Must not: pick tokens (see `sample`), know about processes or print.
+//! Must not: know about processes or print.
 
 use std::path::Path;
 use std::sync::Arc;
 
+use tprun_kernels::dtype::{decode_u32, encode_u32};
+use tprun_kernels::ops::{self, Prologue, SampleParams, TOPK_MAX};
 use tprun_kernels::{DType, Device, Op, View};
 
 use super::safetensors::Checkpoint;
@@ -36,8 +43,8 @@ pub struct LoadOptions {
     /// Dtype the matrices are stored in on the device (`None` = "auto": as in the checkpoint).
     /// Norm weights and biases are always f32; activations are f32.
     pub dtype: Option<DType>,
-    /// Dtype of the KV cache (f32 by default; bf16 or f16 halve its memory, and each new
-    /// key/value is rounded once as it is stored).
+    /// Dtype of the KV cache (f32, bf16 or f16; each new key/value is rounded once as it is
+    /// stored).
     pub kv_dtype: DType,
     /// KV-cache length in tokens (`None`: `max_position_embeddings`, at most 4096).
     pub max_seq: Option<usize>,
@@ -63,6 +70,18 @@ impl Default for LoadOptions {
 /// `max_position_embeddings` is 128k.
 pub const DEFAULT_MAX_SEQ: usize = 4096;
 
+/// Candidates each rank contributes to sampling. Greedy needs only each shard's best; the
+/// sampler looks at no more than [`TOPK_MAX`] tokens in all.
+fn topk_for(p: &SampleParams) -> usize {
+    if p.temperature <= 0.0 || p.top_k == 1 {
+        1
+    } else {
+        TOPK_MAX
+    }
+}
+/// The most candidates one shard may contribute (sizes the gather buffer).
+pub const TOPK: usize = TOPK_MAX;
+
 /// Per-layer KV cache: [max_seq, nkv·d] each, in `Model::kv_dtype`, row `p` holding
 /// position `p`.
 struct KvCache<B> {
@@ -76,22 +95,61 @@ struct Scratch<B> {
     x: B,
     /// Normed input of a sub-block [C, h].
     xb: B,
-    /// Queries [C, nq·d], keys and values of the new tokens [C, nkv·d].
+    /// Output of the fused q|k|v projection [C, (nq + 2·nkv)·d].
+    qkv: B,
+    /// Queries after norm and RoPE [C, nq·d].
     q: B,
-    k: B,
-    v: B,
     /// Attention output [C, nq·d].
     att: B,
     /// Partial output of a row-parallel projection, allreduced in place [C, h].
     o: B,
-    /// MLP gate and up activations [C, I].
+    /// Output of the fused gate|up projection [C, 2·I], each row [gate | up].
     hb: B,
-    hb2: B,
-    /// Full-vocab logits [vocab]; this rank fills its rows, the rest stay 0 until the
-    /// allreduce.
+    /// This rank's vocab shard of the last position's logits [V].
     logits: B,
+    /// Gathered sampling candidates [world · 2·TOPK] f32: (logit, id) pairs, this rank's at
+    /// `rank · 2·TOPK`.
+    cands: B,
+    /// Split-sequence attention scratch for one query (ops::Attention::workspace_len).
+    attn_ws: B,
     /// RoPE inverse frequencies [d / 2].
     inv_freq: B,
+    /// Full-vocab logits [vocab] for [`Model::prefill`] / [`Model::step`] (tests and logit
+    /// dumps; the decode loop never gathers them).
+    full_logits: B,
+}
+
+/// The step state, u32 in device memory: `[token, position, ids[C], positions[C]]`. A
+/// single-token step reads its id and position from the first two words and the sampler
+/// overwrites them with the next ones; a prefill chunk reads the two arrays.
+struct Step<B> {
+    buf: B,
+    chunk: usize,
+}
+
+impl<B> Step<B> {
+    fn token(&self) -> View<'_, B> {
+        View::new(&self.buf, 0, 1, DType::U32)
+    }
+    fn position(&self) -> View<'_, B> {
+        View::new(&self.buf, 4, 1, DType::U32)
+    }
+    fn state(&self) -> View<'_, B> {
+        View::new(&self.buf, 0, 2, DType::U32)
+    }
+    fn ids(&self, m: usize) -> View<'_, B> {
+        View::new(&self.buf, 8, m, DType::U32)
+    }
+    fn positions(&self, m: usize) -> View<'_, B> {
+        View::new(&self.buf, 8 + 4 * self.chunk, m, DType::U32)
+    }
+}
+
+/// The rows one forward runs: `m` tokens whose ids and positions are in `ids`, `pos`.
+struct Rows<'a, B> {
+    m: usize,
+    ids: View<'a, B>,
+    pos: View<'a, B>,
 }
 
 /// One rank's shard of the model.
@@ -103,49 +161,35 @@ pub struct Model<D: Device> {
     kv: Vec<KvCache<D::Buf>>,
     kv_dtype: DType,
     s: Scratch<D::Buf>,
+    step: Step<D::Buf>,
+    /// Token history [max_seq + 1] u32 in host-mapped memory: the sampler writes the token
+    /// of position p at index p, and the host reads it without stopping the stream.
+    history: D::Buf,
     max_seq: usize,
     chunk: usize,
     /// Positions 0..len of the KV cache hold the current sequence.
     len: usize,
     /// Host copy of the last full-vocab logits.
     logits: Vec<f32>,
-    logit_bytes: Vec<u8>,
+    /// Weight bytes one decode step reads (matrices; the embedding is only looked up).
+    step_bytes: u64,
+    load_bytes: u64,
+    state_bytes: u64,
+    /// The captured single-token step, and the allreduces it holds.
+    graph: Option<(D::Graph, u32, SampleParams)>,
+}
+
+/// Per-token statistics of [`Model::decode`].
+#[derive(Clone, Debug, Default)]
+pub struct DecodeInfo {
+    /// Whether the steps ran as replays of one captured graph.
+    pub graph: bool,
+    /// Collective calls per step.
+    pub allreduces: u32,
 }
 
 fn f32v<B>(b: &B, len: usize) -> View<'_, B> {
     View::new(b, 0, len, DType::F32)
-}
-
-/// x = x + allreduce(input · wᵀ): a row-parallel projection (each rank holds a partial sum of
-/// the [m, h] output over its slice of the k inputs), the sum over ranks, the residual add.
-/// Used after attention (o_proj) and after the MLP (down_proj).
-#[allow(clippy::too_many_arguments)]
-fn row_parallel<D: Device>(
-    dev: &D,
-    comm: &mut dyn Collectives<D>,
-    s: &Scratch<D::Buf>,
-    input: View<'_, D::Buf>,
-    w: View<'_, D::Buf>,
-    m: usize,
-    k: usize,
-    h: usize,
-) -> Result<(), RankError> {
-    dev.run(&Op::Matmul {
-        x: input,
-        w,
-        bias: None,
-        y: f32v(&s.o, m * h),
-        m,
-        k,
-        n: h,
-    })?;
-    comm.allreduce(f32v(&s.o, m * h))?;
-    dev.run(&Op::Add {
-        a: f32v(&s.x, m * h),
-        b: f32v(&s.o, m * h),
-        out: f32v(&s.x, m * h),
-    })?;
-    Ok(())
 }
 
 impl<D: Device> Model<D> {
@@ -157,23 +201,87 @@ impl<D: Device> Model<D> {
         world: usize,
         opts: &LoadOptions,
     ) -> Result<Model<D>, ModelError> {
-        Self::load_with_progress(dev, dir, rank, world, opts, &mut |_, _| {})
+        let cfg = ModelConfig::from_dir(dir)?;
+        Self::load_with_progress(dev, dir, cfg, rank, world, opts, &mut |_, _| {})
     }
 
-    /// [`Model::load`], calling `progress(layers_done, layers)` as the layers arrive.
+    /// [`Model::load`] of an already parsed config, calling `progress(bytes_loaded,
+    /// bytes_total)` as the weights reach the device.
     pub fn load_with_progress(
         dev: Arc<D>,
         dir: &Path,
+        cfg: ModelConfig,
         rank: usize,
         world: usize,
         opts: &LoadOptions,
-        progress: &mut dyn FnMut(usize, usize),
+        progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Model<D>, ModelError> {
-        let cfg = ModelConfig::from_dir(dir)?;
         let plan = ShardPlan::new(&cfg, rank, world)?;
         let ck = Checkpoint::open(dir)?;
-        let w = weights::load(&*dev, &ck, &cfg, &plan, opts.dtype, progress)?;
-        Self::from_weights(dev, cfg, plan, w, opts)
+        let wsize = match opts.dtype {
+            Some(d) => d.size(),
+            None => ck.dtype_of("model.embed_tokens.weight")?.size(),
+        };
+        let (total, _) = weights::shard_bytes(&cfg, &plan, wsize);
+        // Out of memory is found before the first allocation, with the figures.
+        if let Some((free, _)) = dev.mem_info() {
+            let need = total + Self::state_bytes(&cfg, &plan, opts)?;
+            if need > free {
+                let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+                return Err(ModelError::Invalid(format!(
+                    "rank {rank}'s shard needs {:.2} GiB of device memory ({:.2} GiB of                      weights, {:.2} GiB of KV cache and scratch) but {:.2} GiB are free                      (a smaller --max-seq, --kv-dtype bf16 or more ranks would fit)",
+                    gib(need),
+                    gib(total),
+                    gib(need - total),
+                    gib(free)
+                )));
+            }
+        }
+        let w = weights::load(&*dev, &ck, &cfg, &plan, opts.dtype, &mut |b| {
+            progress(b, total)
+        })?;
+        let mut m = Self::from_weights(dev, cfg, plan, w, opts)?;
+        m.load_bytes = total;
+        Ok(m)
+    }
+
+    /// Device bytes of the KV cache, scratch and step state (everything but the weights).
+    fn state_bytes(
+        cfg: &ModelConfig,
+        plan: &ShardPlan,
+        opts: &LoadOptions,
+    ) -> Result<u64, ModelError> {
+        let max_seq = opts
+            .max_seq
+            .unwrap_or(cfg.max_positions.min(DEFAULT_MAX_SEQ))
+            .max(1) as u64;
+        let chunk = (opts.prefill_chunk as u64).clamp(1, max_seq);
+        let d = cfg.head_dim as u64;
+        let (nqh, nkv, ni) = (
+            plan.q_heads.len() as u64,
+            plan.kv_heads.len() as u64 * d,
+            plan.inter.len() as u64,
+        );
+        let nq = nqh * d;
+        let kv = max_seq
+            .checked_mul(nkv * opts.kv_dtype.size() as u64 * 2 * cfg.layers as u64)
+            .ok_or_else(|| ModelError::Invalid(format!("a KV cache of {max_seq} tokens")))?;
+        let h = cfg.hidden as u64;
+        let scratch = 4
+            * (chunk * (4 * h + 3 * nq + 2 * nkv + 2 * ni)
+                + nqh * max_seq.div_ceil(ops::ATTN_SPLIT as u64) * (d + 2)
+                + 2 * cfg.vocab as u64);
+        Ok(kv + scratch)
+    }
+
+    /// Weight bytes moved to the device at load.
+    pub fn load_bytes(&self) -> u64 {
+        self.load_bytes
+    }
+
+    /// Device bytes this model holds: weights, KV cache, scratch.
+    pub fn device_bytes(&self) -> u64 {
+        self.load_bytes + self.state_bytes
     }
 
     fn from_weights(
@@ -187,43 +295,62 @@ impl<D: Device> Model<D> {
             .max_seq
             .unwrap_or(cfg.max_positions.min(DEFAULT_MAX_SEQ))
             .max(1);
+        if max_seq >= u32::MAX as usize {
+            return Err(ModelError::Invalid(format!(
+                "a KV cache of {max_seq} tokens: positions are 32-bit"
+            )));
+        }
         let chunk = opts.prefill_chunk.clamp(1, max_seq);
         let d = cfg.head_dim;
-        let (nq, nkv, ni) = (
+        let (nqh, nq, nkv, ni) = (
+            plan.q_heads.len(),
             plan.q_heads.len() * d,
             plan.kv_heads.len() * d,
             plan.inter.len(),
         );
+        let kv_bytes = max_seq
+            .checked_mul(nkv * opts.kv_dtype.size())
+            .ok_or_else(|| ModelError::Invalid(format!("a KV cache of {max_seq} tokens")))?;
         let f = |n: usize| dev.alloc(n * 4);
         let kv = (0..cfg.layers)
             .map(|_| {
                 Ok(KvCache {
-                    k: dev.alloc(max_seq * nkv * opts.kv_dtype.size())?,
-                    v: dev.alloc(max_seq * nkv * opts.kv_dtype.size())?,
+                    k: dev.alloc(kv_bytes)?,
+                    v: dev.alloc(kv_bytes)?,
                 })
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
         let s = Scratch {
             x: f(chunk * cfg.hidden)?,
             xb: f(chunk * cfg.hidden)?,
+            qkv: f(chunk * (nq + 2 * nkv))?,
             q: f(chunk * nq)?,
-            k: f(chunk * nkv)?,
-            v: f(chunk * nkv)?,
             att: f(chunk * nq)?,
             o: f(chunk * cfg.hidden)?,
-            hb: f(chunk * ni)?,
-            hb2: f(chunk * ni)?,
-            logits: f(cfg.vocab)?,
+            hb: f(chunk * 2 * ni)?,
+            logits: f(plan.vocab.len().max(1))?,
+            cands: f(plan.world * 2 * TOPK)?,
+            attn_ws: f(ops::Attention::<D::Buf>::workspace_len(1, nqh, d, max_seq))?,
             inv_freq: f(d / 2)?,
+            full_logits: f(cfg.vocab)?,
         };
         dev.write(
             &s.inv_freq,
             0,
             &tprun_kernels::dtype::encode(DType::F32, &cfg.inv_freq()),
         )?;
+        let step = Step {
+            buf: dev.alloc((2 + 2 * chunk) * 4)?,
+            chunk,
+        };
+        let history = dev.alloc_mapped((max_seq + 1) * 4)?;
+        let wsize = w.layers.first().map_or(4, |l| l.wqkv.dtype.size());
+        let (_, step_bytes) = weights::shard_bytes(&cfg, &plan, wsize);
+        let state_bytes = Self::state_bytes(&cfg, &plan, opts)?;
         Ok(Model {
+            load_bytes: 0,
+            state_bytes,
             logits: vec![0.0; cfg.vocab],
-            logit_bytes: vec![0; cfg.vocab * 4],
             dev,
             cfg,
             plan,
@@ -231,9 +358,13 @@ impl<D: Device> Model<D> {
             kv,
             kv_dtype: opts.kv_dtype,
             s,
+            step,
+            history,
             max_seq,
             chunk,
             len: 0,
+            step_bytes,
+            graph: None,
         })
     }
 
@@ -263,33 +394,95 @@ impl<D: Device> Model<D> {
         self.len == 0
     }
 
+    /// Weight bytes this rank reads per decode step (its matrices; the embedding is only
+    /// looked up): the numerator of the effective bandwidth.
+    pub fn step_bytes(&self) -> u64 {
+        self.step_bytes
+    }
+
     /// The largest message this model passes to [`Collectives::allreduce`], in bytes (f32):
-    /// a prefill chunk of hidden states or the full-vocab logits. Size the communicator for it.
+    /// a prefill chunk of hidden states or the full-vocab logits of [`Model::prefill`].
     pub fn max_allreduce_bytes(&self) -> usize {
         (self.chunk * self.cfg.hidden).max(self.cfg.vocab) * 4
     }
 
-    /// The full-vocab f32 logits of the last forward (identical on every rank).
+    /// The full-vocab f32 logits of the last [`Model::prefill`] or [`Model::step`]
+    /// (identical on every rank).
     pub fn logits(&self) -> &[f32] {
         &self.logits
     }
 
-    /// Starts a new sequence: runs the whole prompt from position 0 in batched passes of up to
-    /// `prefill_chunk` tokens and returns the full-vocab logits of its last position.
+    fn check_comm(&self, comm: &dyn Collectives<D>) -> Result<(), RankError> {
+        if comm.rank() != self.plan.rank || comm.world() != self.plan.world {
+            return Err(RankError::Model(format!(
+                "the model was sharded for rank {} of {}, the communicator is rank {} of {}",
+                self.plan.rank,
+                self.plan.world,
+                comm.rank(),
+                comm.world()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs the prompt from position 0 in batched passes of up to `prefill_chunk` tokens,
+    /// leaving the last position's vocab-shard logits in `s.logits` and the step state at
+    /// (last token, its position).
+    fn run_prompt(
+        &mut self,
+        comm: &mut dyn Collectives<D>,
+        tokens: &[u32],
+    ) -> Result<(), RankError> {
+        self.check_comm(comm)?;
+        if tokens.is_empty() {
+            return Err(ModelError::Invalid("prefill of an empty prompt".into()).into());
+        }
+        if tokens.len() > self.max_seq {
+            return Err(RankError::Model(format!(
+                "a prompt of {} tokens does not fit the KV cache of {}",
+                tokens.len(),
+                self.max_seq
+            )));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
+            return Err(RankError::Model(format!(
+                "token id {t} is outside the vocab of {}",
+                self.cfg.vocab
+            )));
+        }
+        self.len = 0;
+        let chunks: Vec<&[u32]> = tokens.chunks(self.chunk).collect();
+        for (i, c) in chunks.iter().enumerate() {
+            let m = c.len();
+            let pos: Vec<u32> = (self.len..self.len + m).map(|p| p as u32).collect();
+            let (last_tok, last_pos) = (c[m - 1], pos[m - 1]);
+            let mut words = vec![last_tok, last_pos];
+            words.resize(2 + 2 * self.chunk, 0);
+            words[2..2 + m].copy_from_slice(c);
+            words[2 + self.chunk..2 + self.chunk + m].copy_from_slice(&pos);
+            self.dev.write(&self.step.buf, 0, &encode_u32(&words))?;
+            let step = &self.step;
+            let rows = Rows {
+                m,
+                ids: step.ids(m),
+                pos: step.positions(m),
+            };
+            self.forward(comm, &rows, i + 1 == chunks.len(), false)?;
+            self.len += m;
+        }
+        Ok(())
+    }
+
+    /// Starts a new sequence: runs the whole prompt and returns the full-vocab logits of its
+    /// last position (gathered for the caller; [`Model::begin`] samples on the device
+    /// instead).
     pub fn prefill(
         &mut self,
         comm: &mut dyn Collectives<D>,
         tokens: &[u32],
     ) -> Result<&[f32], RankError> {
-        if tokens.is_empty() {
-            return Err(ModelError::Invalid("prefill of an empty prompt".into()).into());
-        }
-        self.len = 0;
-        let chunks: Vec<&[u32]> = tokens.chunks(self.chunk).collect();
-        for (i, c) in chunks.iter().enumerate() {
-            let pos = self.len;
-            self.forward(comm, c, pos, i + 1 == chunks.len())?;
-        }
+        self.run_prompt(comm, tokens)?;
+        self.gather_logits(comm)?;
         Ok(&self.logits)
     }
 
@@ -301,223 +494,374 @@ impl<D: Device> Model<D> {
         token: u32,
         pos: usize,
     ) -> Result<&[f32], RankError> {
-        self.forward(comm, &[token], pos, true)?;
+        self.check_comm(comm)?;
+        if pos > self.len || pos >= self.max_seq || token as usize >= self.cfg.vocab {
+            return Err(RankError::Model(format!(
+                "cannot run token {token} at position {pos}: {} cached, room for {} (KV \
+                 cache), vocab {}",
+                self.len, self.max_seq, self.cfg.vocab
+            )));
+        }
+        self.dev
+            .write(&self.step.buf, 0, &encode_u32(&[token, pos as u32]))?;
+        self.run_step(comm, None)?;
+        self.len = pos + 1;
+        self.gather_logits(comm)?;
         Ok(&self.logits)
     }
 
-    /// The forward pass of `tokens` at positions `pos0..`, writing their K/V into the cache;
-    /// with `logits`, computes the full-vocab logits of the last token.
-    fn forward(
+    /// The single-token step on the step state: forward, and with `sample`, the candidate
+    /// gather and the sampler (which advances the state).
+    fn run_step(
+        &self,
+        comm: &mut dyn Collectives<D>,
+        sample: Option<&SampleParams>,
+    ) -> Result<(), RankError> {
+        let rows = Rows {
+            m: 1,
+            ids: self.step.token(),
+            pos: self.step.position(),
+        };
+        self.forward(comm, &rows, true, true)?;
+        if let Some(p) = sample {
+            self.sample(comm, p)?;
+        }
+        Ok(())
+    }
+
+    /// Gathers this rank's best logits with every other rank's and picks the next token
+    /// (state ← (token, position + 1), history[position + 1] ← token).
+    fn sample(&self, comm: &mut dyn Collectives<D>, p: &SampleParams) -> Result<(), RankError> {
+        let dev = &*self.dev;
+        let (world, rank) = (self.plan.world, self.plan.rank);
+        let k = topk_for(p);
+        let seg = 2 * TOPK;
+        let cands = if world > 1 {
+            dev.run(&Op::Fill(ops::Fill {
+                dst: f32v(&self.s.cands, world * seg),
+                value: 0.0,
+            }))?;
+            f32v(&self.s.cands, world * seg)
+        } else {
+            f32v(&self.s.cands, 2 * k)
+        };
+        dev.run(&Op::ShardTopK(ops::ShardTopK {
+            logits: f32v(&self.s.logits, self.plan.vocab.len()),
+            vocab_start: self.plan.vocab.start,
+            k,
+            out: View::new(&self.s.cands, rank * seg * 4, 2 * k, DType::F32),
+        }))?;
+        if world > 1 {
+            comm.allreduce(cands)?;
+        }
+        dev.run(&Op::Sample(ops::Sample {
+            cands,
+            params: *p,
+            state: self.step.state(),
+            tokens: View::new(&self.history, 0, self.max_seq + 1, DType::U32),
+        }))?;
+        Ok(())
+    }
+
+    /// Full-vocab logits of the last forward into `self.logits`: each rank writes its shard
+    /// into a zero-filled vocab buffer and the allreduce of that buffer gathers them (exact).
+    fn gather_logits(&mut self, comm: &mut dyn Collectives<D>) -> Result<(), RankError> {
+        let dev = &*self.dev;
+        let v = self.cfg.vocab;
+        let shard = self.plan.vocab.clone();
+        dev.run(&Op::Fill(ops::Fill {
+            dst: f32v(&self.s.full_logits, v),
+            value: 0.0,
+        }))?;
+        dev.run(&Op::Copy(ops::Copy {
+            src: f32v(&self.s.logits, shard.len()),
+            dst: View::new(
+                &self.s.full_logits,
+                shard.start * 4,
+                shard.len(),
+                DType::F32,
+            ),
+        }))?;
+        if self.plan.world > 1 {
+            comm.allreduce(f32v(&self.s.full_logits, v))?;
+        }
+        let mut bytes = vec![0u8; v * 4];
+        dev.read(&self.s.full_logits, 0, &mut bytes)?;
+        for (l, b) in self.logits.iter_mut().zip(bytes.chunks_exact(4)) {
+            *l = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+        Ok(())
+    }
+
+    /// Starts a new sequence: prefills `prompt` and samples the first new token on the
+    /// device with `p` (identical on every rank).
+    pub fn begin(
         &mut self,
         comm: &mut dyn Collectives<D>,
-        tokens: &[u32],
-        pos0: usize,
+        prompt: &[u32],
+        p: &SampleParams,
+    ) -> Result<u32, RankError> {
+        self.run_prompt(comm, prompt)?;
+        self.sample(comm, p)?;
+        let mark = self.dev.mark()?;
+        self.dev.wait_mark(&mark)?;
+        self.read_history(self.len)
+    }
+
+    fn read_history(&self, position: usize) -> Result<u32, RankError> {
+        let mut b = [0u8; 4];
+        self.dev.read_mapped(&self.history, position * 4, &mut b)?;
+        Ok(decode_u32(&b)[0])
+    }
+
+    /// Generates after [`Model::begin`]: runs single-token steps (replays of one captured
+    /// graph where the device has graphs and every allreduce of the step can be captured),
+    /// calling `on_token(token)` for each new token, until `on_token` returns `false` or
+    /// `max` steps ran. Each step's token is read from host-mapped memory while the next
+    /// step is already queued, so the host never stalls the device between tokens; one step
+    /// past the last one read may have run (its cache row is beyond `len`).
+    pub fn decode(
+        &mut self,
+        comm: &mut dyn Collectives<D>,
+        p: &SampleParams,
+        max: usize,
+        on_token: &mut dyn FnMut(u32) -> Result<bool, RankError>,
+    ) -> Result<DecodeInfo, RankError> {
+        self.check_comm(comm)?;
+        // The last step must have a cache row: position len + steps − 1 < max_seq.
+        let max = max.min(self.max_seq.saturating_sub(self.len));
+        let mut info = DecodeInfo::default();
+        if max == 0 {
+            return Ok(info);
+        }
+        let capturable =
+            comm.capturable(self.cfg.hidden * 4) && comm.capturable(self.plan.world * 2 * TOPK * 4);
+        if capturable && self.graph.as_ref().is_none_or(|g| g.2 != *p) {
+            self.graph = None;
+            let e0 = comm.epoch();
+            let captured = {
+                let this = &*self;
+                this.dev.capture(&mut || {
+                    this.run_step(comm, Some(p)).map_err(|e| match e {
+                        RankError::Kernel(k) => k,
+                        other => tprun_kernels::KernelError::Backend(other.to_string()),
+                    })
+                })?
+            };
+            // Capturing queued nothing: the device counters did not move.
+            let n = comm.epoch().wrapping_sub(e0);
+            comm.set_epoch(e0);
+            self.graph = captured.map(|g| (g, n, *p));
+        }
+        info.graph = self.graph.is_some();
+        let mut queue =
+            |this: &Self, comm: &mut dyn Collectives<D>| -> Result<D::Mark, RankError> {
+                match &this.graph {
+                    Some((g, n, _)) => {
+                        this.dev.replay(g)?;
+                        comm.set_epoch(comm.epoch().wrapping_add(*n));
+                    }
+                    None => this.run_step(comm, Some(p))?,
+                }
+                Ok(this.dev.mark()?)
+            };
+        let e0 = comm.epoch();
+        let mut pending = std::collections::VecDeque::new();
+        pending.push_back(queue(self, comm)?);
+        let mut done = 0;
+        while let Some(mark) = pending.pop_front() {
+            if done + pending.len() + 1 < max {
+                pending.push_back(queue(self, comm)?);
+            }
+            self.dev.wait_mark(&mark)?;
+            done += 1;
+            self.len += 1;
+            let t = self.read_history(self.len)?;
+            if !on_token(t)? {
+                break;
+            }
+        }
+        info.allreduces = if done > 0 {
+            comm.epoch().wrapping_sub(e0) / (done + pending.len()) as u32
+        } else {
+            0
+        };
+        // A step queued past the stop still runs; wait for it so the caller sees a quiet
+        // device (and its cache row is simply beyond `len`).
+        for m in pending {
+            self.dev.wait_mark(&m)?;
+        }
+        Ok(info)
+    }
+
+    /// The forward pass of `rows` (ids and positions in device memory), writing their K/V
+    /// into the cache; with `logits`, the last row's vocab-shard logits into `s.logits`.
+    /// `single` marks the one-token step (attention may split the sequence).
+    fn forward(
+        &self,
+        comm: &mut dyn Collectives<D>,
+        rows: &Rows<'_, D::Buf>,
         logits: bool,
+        single: bool,
     ) -> Result<(), RankError> {
-        let (cfg, plan) = (&self.cfg, &self.plan);
-        let m = tokens.len();
-        if comm.rank() != plan.rank || comm.world() != plan.world {
-            return Err(RankError::Model(format!(
-                "the model was sharded for rank {} of {}, the communicator is rank {} of {}",
-                plan.rank,
-                plan.world,
-                comm.rank(),
-                comm.world()
-            )));
-        }
-        if m == 0 || m > self.chunk || pos0 > self.len || pos0 + m > self.max_seq {
-            return Err(RankError::Model(format!(
-                "cannot run {m} tokens at position {pos0}: {} cached, room for {} (KV cache), at \
-                 most {} per pass",
-                self.len, self.max_seq, self.chunk
-            )));
-        }
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
-            return Err(RankError::Model(format!(
-                "token id {t} is outside the vocab of {}",
-                cfg.vocab
-            )));
-        }
-        let dev = &*self.dev;
+        let (dev, cfg, plan, w, s) = (&*self.dev, &self.cfg, &self.plan, &self.w, &self.s);
+        let (kvs, kvt, cap) = (&self.kv, self.kv_dtype, self.max_seq);
+        let m = rows.m;
+        let world = plan.world;
         let (h, d) = (cfg.hidden, cfg.head_dim);
         let (nqh, nkvh) = (plan.q_heads.len(), plan.kv_heads.len());
         let (nq, nkv, ni) = (nqh * d, nkvh * d, plan.inter.len());
-        let s = &self.s;
         let eps = cfg.rms_eps;
+        let x = f32v(&s.x, m * h);
+        let xb = f32v(&s.xb, m * h);
+        let o = f32v(&s.o, m * h);
 
-        // x = embed_tokens(tokens): each rank looks up its vocab rows, the allreduce sums them.
-        dev.run(&Op::Embedding {
-            table: self.w.embed.view(),
+        // x = embed_tokens(ids): each rank looks up its vocab rows, the allreduce sums them.
+        dev.run(&Op::Embedding(ops::Embedding {
+            table: w.embed.view(),
             vocab_start: plan.vocab.start,
-            ids: tokens,
+            ids: rows.ids,
             hidden: h,
-            out: f32v(&s.x, m * h),
-        })?;
-        comm.allreduce(f32v(&s.x, m * h))?;
-
-        for (lw, kv) in self.w.layers.iter().zip(&self.kv) {
-            // xb = input_layernorm(x)
-            dev.run(&Op::RmsNorm {
-                x: f32v(&s.x, m * h),
-                w: lw.attn_norm.view(),
-                out: f32v(&s.xb, m * h),
-                rows: m,
-                dim: h,
-                eps,
-            })?;
-            // q, k, v = q_proj(xb), k_proj(xb), v_proj(xb)   (this rank's heads)
-            for (wt, b, out, n) in [
-                (&lw.wq, &lw.bq, &s.q, nq),
-                (&lw.wk, &lw.bk, &s.k, nkv),
-                (&lw.wv, &lw.bv, &s.v, nkv),
-            ] {
-                dev.run(&Op::Matmul {
-                    x: f32v(&s.xb, m * h),
-                    w: wt.view(),
-                    bias: b.as_ref().map(|b| b.view()),
-                    y: f32v(out, m * n),
-                    m,
-                    k: h,
-                    n,
-                })?;
-            }
-            // Qwen3: q = q_norm(q), k = k_norm(k), per head.
-            if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
-                dev.run(&Op::RmsNorm {
-                    x: f32v(&s.q, m * nq),
-                    w: qn.view(),
-                    out: f32v(&s.q, m * nq),
-                    rows: m * nqh,
-                    dim: d,
+            out: x,
+        }))?;
+        if world > 1 {
+            comm.allreduce(x)?;
+        }
+        // xb = input_layernorm(x) of the first layer; later layers get theirs from the
+        // previous layer's closing add + norm.
+        dev.run(&Op::RmsNorm(ops::RmsNorm {
+            x,
+            w: w.layers[0].attn_norm.view(),
+            out: xb,
+            rows: m,
+            dim: h,
+            eps,
+        }))?;
+        // x = x + allreduce(partial); xb = norm(x) · next_norm: the seam after each
+        // row-parallel projection.
+        let mut residual =
+            |comm: &mut dyn Collectives<D>, next_norm: View<'_, D::Buf>| -> Result<(), RankError> {
+                if world > 1 {
+                    comm.allreduce(o)?;
+                }
+                dev.run(&Op::AddRmsNorm(ops::AddRmsNorm {
+                    x,
+                    delta: o,
+                    w: next_norm,
+                    out: xb,
+                    rows: m,
+                    dim: h,
                     eps,
-                })?;
-                dev.run(&Op::RmsNorm {
-                    x: f32v(&s.k, m * nkv),
-                    w: kn.view(),
-                    out: f32v(&s.k, m * nkv),
-                    rows: m * nkvh,
-                    dim: d,
-                    eps,
-                })?;
-            }
-            // q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            dev.run(&Op::Rope {
-                x: f32v(&s.q, m * nq),
-                inv_freq: f32v(&s.inv_freq, d / 2),
-                rows: m,
-                heads: nqh,
-                head_dim: d,
-                pos0,
-            })?;
-            dev.run(&Op::Rope {
-                x: f32v(&s.k, m * nkv),
-                inv_freq: f32v(&s.inv_freq, d / 2),
-                rows: m,
-                heads: nkvh,
-                head_dim: d,
-                pos0,
-            })?;
-            // cache[pos0..pos0+m] = k, v
-            let kvt = self.kv_dtype;
-            let at = pos0 * nkv * kvt.size();
-            dev.run(&Op::Copy {
-                src: f32v(&s.k, m * nkv),
-                dst: View::new(&kv.k, at, m * nkv, kvt),
-            })?;
-            dev.run(&Op::Copy {
-                src: f32v(&s.v, m * nkv),
-                dst: View::new(&kv.v, at, m * nkv, kvt),
-            })?;
-            // att = softmax(q·kᵀ / √d + causal mask) · v
-            dev.run(&Op::Attention {
+                }))?;
+                Ok(())
+            };
+        let nl = w.layers.len();
+        for (l, (lw, kv)) in w.layers.iter().zip(kvs).enumerate() {
+            // qkv = [q_proj | k_proj | v_proj](xb)   (this rank's heads, one product)
+            let wqkv = nq + 2 * nkv;
+            dev.run(&Op::Matmul(ops::Matmul {
+                x: xb,
+                w: lw.wqkv.view(),
+                bias: lw.bqkv.as_ref().map(|b| b.view()),
+                y: f32v(&s.qkv, m * wqkv),
+                m,
+                k: h,
+                n: wqkv,
+                prologue: Prologue::None,
+            }))?;
+            // q = rope(q_norm(q)); cache[pos] = rope(k_norm(k)), v   (Qwen3 norms optional)
+            let cache = |b| View::new(b, 0, cap * nkv, kvt);
+            dev.run(&Op::QkvRope(ops::QkvRope {
+                qkv: f32v(&s.qkv, m * wqkv),
                 q: f32v(&s.q, m * nq),
-                k_cache: View::new(&kv.k, 0, (pos0 + m) * nkv, kvt),
-                v_cache: View::new(&kv.v, 0, (pos0 + m) * nkv, kvt),
-                out: f32v(&s.att, m * nq),
+                k_cache: cache(&kv.k),
+                v_cache: cache(&kv.v),
+                pos: rows.pos,
+                inv_freq: f32v(&s.inv_freq, d / 2),
+                q_norm: lw.q_norm.as_ref().map(|t| t.view()),
+                k_norm: lw.k_norm.as_ref().map(|t| t.view()),
+                eps,
                 rows: m,
                 heads: nqh,
                 kv_heads: nkvh,
                 head_dim: d,
-                pos0,
-                scale: 1.0 / (d as f32).sqrt(),
-            })?;
-            // x = x + allreduce(o_proj(att))
-            row_parallel(dev, comm, s, f32v(&s.att, m * nq), lw.wo.view(), m, nq, h)?;
-
-            // xb = post_attention_layernorm(x)
-            dev.run(&Op::RmsNorm {
-                x: f32v(&s.x, m * h),
-                w: lw.ffn_norm.view(),
-                out: f32v(&s.xb, m * h),
+            }))?;
+            // att = softmax(q·kᵀ / √d + causal mask) · v
+            dev.run(&Op::Attention(ops::Attention {
+                q: f32v(&s.q, m * nq),
+                k_cache: cache(&kv.k),
+                v_cache: cache(&kv.v),
+                out: f32v(&s.att, m * nq),
+                pos: rows.pos,
                 rows: m,
-                dim: h,
-                eps,
-            })?;
-            // hb = silu(gate_proj(xb)) * up_proj(xb)
-            for (wt, out) in [(&lw.w_gate, &s.hb), (&lw.w_up, &s.hb2)] {
-                dev.run(&Op::Matmul {
-                    x: f32v(&s.xb, m * h),
-                    w: wt.view(),
-                    bias: None,
-                    y: f32v(out, m * ni),
-                    m,
-                    k: h,
-                    n: ni,
-                })?;
-            }
-            dev.run(&Op::SiluMul {
-                gate: f32v(&s.hb, m * ni),
-                up: f32v(&s.hb2, m * ni),
-                out: f32v(&s.hb, m * ni),
-            })?;
-            // x = x + allreduce(down_proj(hb))
-            row_parallel(
-                dev,
-                comm,
-                s,
-                f32v(&s.hb, m * ni),
-                lw.w_down.view(),
+                heads: nqh,
+                kv_heads: nkvh,
+                head_dim: d,
+                scale: 1.0 / (d as f32).sqrt(),
+                workspace: single.then(|| {
+                    f32v(
+                        &s.attn_ws,
+                        ops::Attention::<D::Buf>::workspace_len(1, nqh, d, cap),
+                    )
+                }),
+            }))?;
+            // x = x + allreduce(o_proj(att)); xb = post_attention_layernorm(x)
+            dev.run(&Op::Matmul(ops::Matmul {
+                x: f32v(&s.att, m * nq),
+                w: lw.wo.view(),
+                bias: None,
+                y: o,
                 m,
-                ni,
-                h,
-            )?;
+                k: nq,
+                n: h,
+                prologue: Prologue::None,
+            }))?;
+            residual(comm, lw.ffn_norm.view())?;
+            // hb = [gate_proj | up_proj](xb)
+            dev.run(&Op::Matmul(ops::Matmul {
+                x: xb,
+                w: lw.w_gate_up.view(),
+                bias: None,
+                y: f32v(&s.hb, m * 2 * ni),
+                m,
+                k: h,
+                n: 2 * ni,
+                prologue: Prologue::None,
+            }))?;
+            // x = x + allreduce(down_proj(silu(gate) · up)); xb = the next layer's
+            // input_layernorm(x), or the final norm after the last layer.
+            dev.run(&Op::Matmul(ops::Matmul {
+                x: f32v(&s.hb, m * 2 * ni),
+                w: lw.w_down.view(),
+                bias: None,
+                y: o,
+                m,
+                k: ni,
+                n: h,
+                prologue: Prologue::SiluMul,
+            }))?;
+            let next = if l + 1 < nl {
+                w.layers[l + 1].attn_norm.view()
+            } else {
+                w.norm.view()
+            };
+            residual(comm, next)?;
         }
-        self.len = pos0 + m;
         if !logits {
             return Ok(());
         }
-        // Last position only: xb = norm(x[m-1]); logits[vocab shard] = lm_head(xb); then the
-        // allreduce of the zero-padded full-vocab buffer is the all-gather of the shards.
-        let last = View::new(&s.x, (m - 1) * h * 4, h, DType::F32);
-        dev.run(&Op::RmsNorm {
-            x: last,
-            w: self.w.norm.view(),
-            out: f32v(&s.xb, h),
-            rows: 1,
-            dim: h,
-            eps,
-        })?;
-        let v = cfg.vocab;
-        dev.run(&Op::Fill {
-            dst: f32v(&s.logits, v),
-            value: 0.0,
-        })?;
-        let head = self.w.head();
-        let shard = plan.vocab.clone();
-        dev.run(&Op::Matmul {
-            x: f32v(&s.xb, h),
+        // logits[vocab shard] = lm_head(norm(x))[last position]
+        let head = w.head();
+        dev.run(&Op::Matmul(ops::Matmul {
+            x: View::new(&s.xb, (m - 1) * h * 4, h, DType::F32),
             w: head.view(),
             bias: None,
-            y: View::new(&s.logits, shard.start * 4, shard.len(), DType::F32),
+            y: f32v(&s.logits, plan.vocab.len()),
             m: 1,
             k: h,
-            n: shard.len(),
-        })?;
-        comm.allreduce(f32v(&s.logits, v))?;
-        dev.read(&s.logits, 0, &mut self.logit_bytes)?;
-        for (l, b) in self.logits.iter_mut().zip(self.logit_bytes.chunks_exact(4)) {
-            *l = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        }
+            n: plan.vocab.len(),
+            prologue: Prologue::None,
+        }))?;
         Ok(())
     }
 }

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use tprun_kernels::Device;
 
-use super::{Model, Sampler};
+use super::{Model, SamplerConfig};
 use crate::{Collectives, RankError};
 
 #[derive(Clone, Debug, Default)]
@@ -29,6 +29,10 @@ pub struct GenerateStats {
     pub prefill: Duration,
     /// Wall time of all decode steps.
     pub decode: Duration,
+    /// The decode steps ran as replays of one captured device graph.
+    pub graph: bool,
+    /// Collective calls per decode step.
+    pub allreduces_per_step: u32,
 }
 
 impl GenerateStats {
@@ -44,12 +48,13 @@ impl GenerateStats {
 }
 
 /// Prefills `prompt` and generates up to `opts.max_new_tokens` tokens, calling
-/// `on_token(id)` for each; `on_token` returns `false` to stop early. Every rank must call
-/// this with the same prompt, options and sampler seed.
+/// `on_token(id)` for each; `on_token` returns `false` to stop early. Tokens are sampled on
+/// the device ([`Model::begin`], [`Model::decode`]). Every rank must call this with the same
+/// prompt, options and sampler settings.
 pub fn generate<D: Device>(
     model: &mut Model<D>,
     comm: &mut dyn Collectives<D>,
-    sampler: &mut Sampler,
+    sampler: &SamplerConfig,
     prompt: &[u32],
     opts: &GenerateOptions,
     on_token: &mut dyn FnMut(u32) -> Result<bool, RankError>,
@@ -61,22 +66,26 @@ pub fn generate<D: Device>(
     let budget = opts
         .max_new_tokens
         .min(model.max_seq().saturating_sub(prompt.len()) + 1);
+    if budget == 0 {
+        return Ok(st);
+    }
+    let p = sampler.params();
     let t0 = Instant::now();
-    let mut next = sampler.sample(model.prefill(comm, prompt)?);
+    let first = model.begin(comm, prompt, &p)?;
     st.prefill = t0.elapsed();
     let t1 = Instant::now();
-    let mut pos = prompt.len();
-    while st.generated < budget {
-        if opts.stop.contains(&next) {
+    let mut take = |t: u32, st: &mut GenerateStats| -> Result<bool, RankError> {
+        if opts.stop.contains(&t) {
             st.stopped = true;
-            break;
+            return Ok(false);
         }
         st.generated += 1;
-        if !on_token(next)? || st.generated == budget {
-            break;
-        }
-        next = sampler.sample(model.step(comm, next, pos)?);
-        pos += 1;
+        Ok(on_token(t)? && st.generated < budget)
+    };
+    if take(first, &mut st)? {
+        let info = model.decode(comm, &p, budget - 1, &mut |t| take(t, &mut st))?;
+        st.graph = info.graph;
+        st.allreduces_per_step = info.allreduces;
     }
     st.decode = t1.elapsed();
     Ok(st)

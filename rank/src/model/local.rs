@@ -73,10 +73,19 @@ impl<D: Device> Collectives<D> for LocalComm<D> {
                 layout: self.layout,
                 timeout: TIMEOUT,
                 abort: None,
+                add_norm: None,
             }))?;
             self.epoch = self.epoch.wrapping_add(1);
             start += n;
         }
         Ok(())
+    }
+
+    fn epoch(&self) -> u32 {
+        self.epoch
+    }
+
+    fn set_epoch(&mut self, epoch: u32) {
+        self.epoch = epoch;
     }
 }

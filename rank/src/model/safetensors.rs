@@ -379,6 +379,7 @@ pub fn write(
             DType::F32 => "F32",
             DType::F16 => "F16",
             DType::BF16 => "BF16",
+            DType::U32 => "U32",
         };
         header.insert(
             name.clone(),

@@ -28,6 +28,19 @@ impl Default for SamplerConfig {
     }
 }
 
+impl SamplerConfig {
+    /// The device sampler's parameters (`ops::Sample`): the same settings, with `top_k`
+    /// capped at the candidates the device gathers (`ops::TOPK_MAX`).
+    pub fn params(&self) -> tprun_kernels::ops::SampleParams {
+        tprun_kernels::ops::SampleParams {
+            temperature: self.temperature.max(0.0),
+            top_k: self.top_k.min(tprun_kernels::ops::TOPK_MAX) as u32,
+            top_p: self.top_p,
+            seed: self.seed,
+        }
+    }
+}
+
 pub struct Sampler {
     cfg: SamplerConfig,
     rng: Rng,

@@ -140,13 +140,13 @@ fn stories260k_reproduces_the_transformers_reference_at_every_world_size() {
                 .map(|(p, &t)| m.step(comm, t, p).unwrap().to_vec())
                 .collect();
             // The library's decode loop gives the same tokens.
-            let mut sampler = Sampler::new(SamplerConfig::default());
+            let sampler = SamplerConfig::default();
             let opts = GenerateOptions {
                 max_new_tokens: 201 - prompt.len(),
                 stop: m.config().eos.clone(),
             };
             let mut via_generate = Vec::new();
-            let st = generate(m, comm, &mut sampler, &prompt, &opts, &mut |t| {
+            let st = generate(m, comm, &sampler, &prompt, &opts, &mut |t| {
                 via_generate.push(t);
                 Ok(true)
             })
@@ -479,12 +479,12 @@ fn small_model_decode_speed() {
     let prompt: Vec<u32> = (0..64).map(|i| 3 + i * 7).collect();
     for world in [1usize, 2] {
         let stats = run_ranks(&dir, world, &LoadOptions::default(), |m, comm| {
-            let mut s = Sampler::new(SamplerConfig::default());
+            let s = SamplerConfig::default();
             let g = GenerateOptions {
                 max_new_tokens: 64,
                 stop: vec![],
             };
-            generate(m, comm, &mut s, &prompt, &g, &mut |_| Ok(true)).unwrap()
+            generate(m, comm, &s, &prompt, &g, &mut |_| Ok(true)).unwrap()
         });
         let st = &stats[0];
         println!(

@@ -81,7 +81,10 @@ pub(crate) fn qkv_rope(dev: &CpuDevice, a: &ops::QkvRope<'_, CpuBuf>) -> Result<
     let kt = a.k_cache.dtype;
     // Scratch for one row's k and v, so that norm and RoPE run as the plain ops do.
     let kbuf = dev.alloc(2 * nkv * 4)?;
-    let (kv, vv) = (View::new(&kbuf, 0, nkv, DType::F32), View::new(&kbuf, nkv * 4, nkv, DType::F32));
+    let (kv, vv) = (
+        View::new(&kbuf, 0, nkv, DType::F32),
+        View::new(&kbuf, nkv * 4, nkv, DType::F32),
+    );
     for (r, &p) in pos.iter().enumerate() {
         let row = &qkv[r * w..(r + 1) * w];
         let q = a.q.slice(r * nq, nq);
@@ -115,7 +118,10 @@ pub(crate) fn attention(dev: &CpuDevice, a: &ops::Attention<'_, CpuBuf>) -> Resu
     for (r0, n, p0) in runs(&pos) {
         let seq = p0 + n;
         let (q, out) = (a.q.slice(r0 * row, n * row), a.out.slice(r0 * row, n * row));
-        let (k, v) = (a.k_cache.slice(0, seq * kvrow), a.v_cache.slice(0, seq * kvrow));
+        let (k, v) = (
+            a.k_cache.slice(0, seq * kvrow),
+            a.v_cache.slice(0, seq * kvrow),
+        );
         attention_rows(
             dev,
             AttnArgs {
@@ -168,7 +174,10 @@ pub(crate) fn shard_topk(a: &ops::ShardTopK<'_, CpuBuf>) -> Result<()> {
         if best.len() == a.k && !better(c, best[a.k - 1]) {
             continue;
         }
-        let at = best.iter().position(|&b| better(c, b)).unwrap_or(best.len());
+        let at = best
+            .iter()
+            .position(|&b| better(c, b))
+            .unwrap_or(best.len());
         best.insert(at, c);
         best.truncate(a.k);
     }
@@ -289,7 +298,12 @@ mod tests {
         }
         let state = u32buf(&dev, &[9, 4]);
         let tokens = u32buf(&dev, &[0; 8]);
-        let p = SampleParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 1 };
+        let p = SampleParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 1,
+        };
         dev.run(&Op::Sample(ops::Sample {
             cands: View::new(&cands, 0, world * 2 * k, DType::F32),
             params: p,
@@ -307,7 +321,12 @@ mod tests {
     fn sampling_follows_the_distribution() {
         // Two candidates with logits ln 3 and 0 at temperature 1: 3:1.
         let cands = [0.0, 5.0, 3f32.ln(), 2.0, f32::NEG_INFINITY, 0.0];
-        let p = SampleParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 11 };
+        let p = SampleParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 11,
+        };
         let n = 4000;
         let twos = (0..n).filter(|&i| pick(&cands, &p, i) == 2).count();
         assert!((twos as f64 / n as f64 - 0.75).abs() < 0.03, "{twos}");
@@ -323,11 +342,19 @@ mod tests {
         let (heads, kvh, d, rows, cap) = (4, 2, 8, 3, 10);
         let w = (heads + 2 * kvh) * d;
         let qkv = rng.vec_sym(rows * w);
-        let inv: Vec<f32> = (0..d / 2).map(|i| 1.0 / 100f32.powf(2.0 * i as f32 / d as f32)).collect();
-        let (qkvb, invb) = (upload(&dev, DType::F32, &qkv), upload(&dev, DType::F32, &inv));
+        let inv: Vec<f32> = (0..d / 2)
+            .map(|i| 1.0 / 100f32.powf(2.0 * i as f32 / d as f32))
+            .collect();
+        let (qkvb, invb) = (
+            upload(&dev, DType::F32, &qkv),
+            upload(&dev, DType::F32, &inv),
+        );
         let posb = u32buf(&dev, &[5, 6, 7]);
         let q = dev.alloc(rows * heads * d * 4).unwrap();
-        let (kc, vc) = (dev.alloc(cap * kvh * d * 2).unwrap(), dev.alloc(cap * kvh * d * 2).unwrap());
+        let (kc, vc) = (
+            dev.alloc(cap * kvh * d * 2).unwrap(),
+            dev.alloc(cap * kvh * d * 2).unwrap(),
+        );
         dev.run(&Op::QkvRope(ops::QkvRope {
             qkv: View::new(&qkvb, 0, rows * w, DType::F32),
             q: View::new(&q, 0, rows * heads * d, DType::F32),
@@ -351,8 +378,21 @@ mod tests {
             let at = (5 + r) * kvh * d;
             assert_eq!(&vals[at..at + kvh * d], &want[..]);
         }
-        let kb = upload(&dev, DType::F32, &qkv[2 * w + heads * d..2 * w + (heads + kvh) * d]);
-        rope_rows(&dev, &View::new(&kb, 0, kvh * d, DType::F32), &View::new(&invb, 0, d / 2, DType::F32), 1, kvh, d, 7).unwrap();
+        let kb = upload(
+            &dev,
+            DType::F32,
+            &qkv[2 * w + heads * d..2 * w + (heads + kvh) * d],
+        );
+        rope_rows(
+            &dev,
+            &View::new(&kb, 0, kvh * d, DType::F32),
+            &View::new(&invb, 0, d / 2, DType::F32),
+            1,
+            kvh,
+            d,
+            7,
+        )
+        .unwrap();
         let want = rounded(DType::BF16, &download(&dev, &kb, DType::F32, kvh * d));
         let keys = download(&dev, &kc, DType::BF16, cap * kvh * d);
         assert_eq!(&keys[7 * kvh * d..8 * kvh * d], &want[..]);

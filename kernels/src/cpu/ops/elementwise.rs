@@ -139,6 +139,8 @@ mod tests {
         assert_eq!(download(&dev, &b, DType::F32, 16), vec![2.5; 16]);
         let a = View::new(&b, 0, 8, DType::F32);
         let o = View::new(&b, 4, 8, DType::F32);
-        assert!(dev.run(&Op::Add(crate::ops::Add { a, b: a, out: o })).is_err());
+        assert!(dev
+            .run(&Op::Add(crate::ops::Add { a, b: a, out: o }))
+            .is_err());
     }
 }
