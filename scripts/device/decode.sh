@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# GPU decode on a GPU machine, in two parts that each fit one 10-minute device call:
+#
+#   scripts/device/decode.sh check BIN STORIES_DIR   correctness:
+#       selftest (every kernel against its CPU twin, every allreduce); stories260k on CUDA at
+#       --ranks 1 and --ranks 4 (MPS when one GPU): the greedy tokens of reference.json, logits
+#       within 1e-4 relative of the CPU backend (--dump-logits on both); TP=4 = TP=1 tokens on
+#       a synth qwen3; bad input (a KV cache that does not fit, a dtype the GPU path does not
+#       take) fails with one line and leaves nothing on the GPU; SIGKILL of a rank mid-decode
+#       exits 3 within 2 s naming it.
+#   scripts/device/decode.sh perf BIN                 speed and the Hugging Face comparison:
+#       synth llama3-8b bf16 (16 GB); transformers' greedy logits for 32 steps against
+#       tprun's (scripts/hf_reference.py, scripts/compare_logits.py); tprun decode TP=1, 256
+#       tokens after a 128-token prompt; beside it scripts/peer_hf_decode.py (torch.compile'd
+#       static-cache loop) and the device copy bandwidth; TP=4 on one GPU.
+#
+# STORIES_DIR is the stories260k folder (../shared does not travel to the device: copy it into
+# an ignored folder of the checkout and carry it). Results land in $OUT (or ./out).
+set -uo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+mode="${1:?check or perf}"
+bin="$(realpath "${2:?tprun binary}")"
+out="${OUT:-$root/out}"
+mkdir -p "$out"
+. "$root/scripts/device/common.sh"
+export TPRUN_KERNEL_CACHE="${TPRUN_KERNEL_CACHE:-/tmp/tprun-kernel-cache}"
+tprun_nvrtc_link
+status=0
+fail() { echo "FAILED: $*"; status=1; }
+gpu_apps() { nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader | grep -c tprun; }
+
+# Max relative difference of two raw f32 logit dumps (same shape).
+cmp_logits() {
+    python3 - "$1" "$2" <<'PY'
+import sys, numpy as np
+a = np.fromfile(sys.argv[1], dtype="<f4"); b = np.fromfile(sys.argv[2], dtype="<f4")
+n = min(a.size, b.size)
+if n == 0 or a.size != b.size:
+    print(f"sizes differ: {a.size} vs {b.size}"); sys.exit(1)
+d = np.abs(a - b) / (1e-6 + np.abs(b).max())
+print(f"{n} logits, max |gpu-cpu| / max|cpu| = {d.max():.2e}")
+sys.exit(0 if d.max() <= 1e-4 else 1)
+PY
+}
+
+if [ "$mode" = check ]; then
+    stories="$(realpath "${3:?stories260k folder}")"
+    echo "== selftest (1 rank; kernels + allreduce)"
+    $bin selftest > "$out/selftest.txt" 2>&1 || fail selftest
+    grep -E "FAIL|failed|passed|checks" "$out/selftest.txt" | tail -25
+    want=$(python3 -c "import json;r=json.load(open('$stories/reference.json'));print(','.join(map(str,r['generated_token_ids'])))" 2>/dev/null)
+    prompt=$(python3 -c "import json;r=json.load(open('$stories/reference.json'));print(r['prompt'])" 2>/dev/null)
+    echo "reference: prompt '$prompt', ${#want} chars of ids"
+    n=$(python3 -c "print(len('$want'.split(',')))")
+    common=(decode --model "$stories" --prompt "$prompt" --temperature 0 --max-new-tokens "$n" --ignore-eos --json)
+    $bin --backend cpu --ranks 1 "${common[@]}" --dump-logits "$out/cpu1.f32" > "$out/cpu1.json" 2>"$out/cpu1.err" || fail "cpu decode"
+    tprun_devices 4
+    for r in 1 4; do
+        d=$(echo "$devices" | cut -d, -f1-$r)
+        echo "== stories260k cuda ranks $r (devices $d)"
+        $bin --backend cuda --ranks $r --devices "$d" "${common[@]}" > "$out/cuda$r.json" 2>"$out/cuda$r.err" || { fail "cuda$r decode"; tail -5 "$out/cuda$r.err"; }
+        $bin --backend cuda --ranks $r --devices "$d" "${common[@]}" --dump-logits "$out/cuda$r.f32" > "$out/cuda$r-dump.json" 2>>"$out/cuda$r.err" || fail "cuda$r dump"
+        python3 - "$out/cuda$r.json" "$want" <<'PY' || fail "cuda$r tokens"
+import json, sys
+j = json.load(open(sys.argv[1])); want = [int(x) for x in sys.argv[2].split(",")]
+got = j["token_ids"]
+print(f"tokens equal to reference.json: {got == want[:len(got)] and len(got) == len(want)} ({len(got)} tokens); "
+      f"{j['decode_tokens_per_s']:.0f} tok/s, graph {j.get('graph')}, {j.get('allreduces_per_step')} allreduces/step")
+sys.exit(0 if got == want else 1)
+PY
+        cmp_logits "$out/cuda$r.f32" "$out/cpu1.f32" || fail "cuda$r logits vs cpu"
+    done
+    echo "== synth qwen3 small: TP=4 tokens = TP=1 tokens"
+    $bin synth --arch qwen3 --preset tiny --dtype bf16 --out /tmp/q3 > /dev/null 2>&1
+    for r in 1 4; do
+        d=$(echo "$devices" | cut -d, -f1-$r)
+        $bin --backend cuda --ranks $r --devices "$d" decode --model /tmp/q3 --temperature 0 --max-new-tokens 48 --ignore-eos --json > "$out/q3-$r.json" 2>"$out/q3-$r.err" || { fail "qwen3 ranks $r"; tail -3 "$out/q3-$r.err"; }
+    done
+    python3 -c "import json;a=json.load(open('$out/q3-1.json'))['token_ids'];b=json.load(open('$out/q3-4.json'))['token_ids'];print('qwen3 TP4 == TP1:',a==b, a[:12]);exit(0 if a==b else 1)" || fail "qwen3 tp4 != tp1"
+    echo "== bad input"
+    $bin --backend cuda --ranks 1 decode --model "$stories" --max-seq 2000000000 > /dev/null 2>"$out/bad1.err"; rc=$?
+    echo "max-seq 2e9: exit $rc: $(grep -m1 '^error' "$out/bad1.err")"; [ $rc -ne 0 ] && [ $rc -ne 101 ] || fail "huge max-seq"
+    $bin --backend cuda --ranks 1 decode --model "$stories" --kv-dtype u32 > /dev/null 2>"$out/bad2.err"; rc=$?
+    echo "kv-dtype u32: exit $rc: $(grep -m1 '^error' "$out/bad2.err")"; [ $rc -eq 2 ] || fail "kv dtype"
+    sleep 1; echo "tprun processes on the GPU after bad input: $(gpu_apps)"; [ "$(gpu_apps)" -eq 0 ] || fail "left on GPU"
+    echo "== SIGKILL rank 2 mid-decode (4 ranks)"
+    log=$(mktemp)
+    $bin --backend cuda --ranks 4 --devices "$devices" decode --model /tmp/q3 --max-new-tokens 100000000 --max-seq 4096 --ignore-eos > /dev/null 2>"$log" &
+    coord=$!
+    sleep 8
+    pid=$(pgrep -P "$coord" -f -- "--rank 2( |$)" | head -1)
+    t0=$(date +%s%N); kill -9 "$pid"; wait "$coord"; rc=$?; t1=$(date +%s%N)
+    ms=$(( (t1 - t0) / 1000000 )); sleep 1
+    echo "exit $rc after $ms ms: $(grep -m1 '^error' "$log"); on the GPU after: $(gpu_apps)"
+    { [ $rc -eq 3 ] && [ $ms -le 2000 ] && [ "$(gpu_apps)" -eq 0 ]; } || { fail "sigkill"; tail -5 "$log"; }
+    exit $status
+fi
+
+if [ "$mode" = perf ]; then
+    m=/tmp/l8b
+    echo "== synth llama3-8b bf16"
+    t0=$(date +%s); $bin synth --arch llama --preset llama3-8b --dtype bf16 --out $m > /dev/null 2>&1 || fail synth
+    echo "synth took $(( $(date +%s) - t0 )) s; $(du -sh $m | cut -f1)"
+    # A 128-token prompt (byte-level tokenizer: 127 bytes + BOS, or 128 bytes).
+    python3 -c "print(('Once upon a time, in a land far away, there lived a small robot who loved to count the stars every night. ' * 3)[:127], end='')" > /tmp/prompt.txt
+    echo "== tprun TP=1 dump 32 greedy steps"
+    $bin --backend cuda --ranks 1 decode --model $m --prompt-file /tmp/prompt.txt --temperature 0 --max-new-tokens 32 --ignore-eos --json --dump-logits /tmp/l8b.f32 > "$out/l8b-dump.json" 2>"$out/l8b-dump.err" || { fail dump; tail -5 "$out/l8b-dump.err"; }
+    python3 -c "import json;j=json.load(open('$out/l8b-dump.json'));open('/tmp/prompt_ids','w').write(','.join(map(str,j['prompt_ids'])));print('prompt tokens',len(j['prompt_ids']))"
+    echo "== transformers reference (bf16, sdpa) and comparison"
+    PYTHONUNBUFFERED=1 timeout 240 python3 "$root/scripts/hf_reference.py" --model $m --prompt-ids-file /tmp/prompt_ids --steps 32 --out /tmp/hf.npz > "$out/hf_ref.txt" 2>&1 || { fail hf_reference; tail -5 "$out/hf_ref.txt"; }
+    python3 "$root/scripts/compare_logits.py" --tprun-logits /tmp/l8b.f32 --vocab 128256 --tprun-json "$out/l8b-dump.json" --hf /tmp/hf.npz --steps 32 > "$out/compare.txt" 2>&1 || fail compare
+    tail -4 "$out/compare.txt"
+    echo "== tprun decode TP=1: 256 tokens after 128 (x2)"
+    for i in 1 2; do
+        $bin --backend cuda --ranks 1 decode --model $m --prompt-file /tmp/prompt.txt --temperature 0 --max-new-tokens 256 --ignore-eos --json > "$out/l8b-tp1-$i.json" 2>"$out/l8b-tp1.err" || { fail "tp1"; tail -5 "$out/l8b-tp1.err"; }
+        python3 -c "import json;j=json.load(open('$out/l8b-tp1-$i.json'));print(f\"tprun TP=1: {j['decode_tokens_per_s']:.1f} tok/s, p50 {j['token_latency_p50_ms']:.3f} ms, {j['weight_gb_per_s']:.0f} GB/s of weights, graph {j['graph']}, load {j['load_gb_per_s']:.1f} GB/s\")"
+    done
+    echo "== device copy bandwidth"
+    python3 - <<'PY' | tee "$out/copy.txt"
+import torch
+x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
+for _ in range(3): y.copy_(x)
+s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+torch.cuda.synchronize(); s.record()
+for _ in range(10): y.copy_(x)
+e.record(); torch.cuda.synchronize(); t = s.elapsed_time(e) / 10 / 1e3
+print(f"device copy 1 GiB: {2 * (1 << 30) / t / 1e12:.2f} TB/s (read + write); 15.0 GB/token at half of it: {(1 << 30) / t / 15.0e9:.0f} tok/s")
+PY
+    echo "== peer: transformers static cache + torch.compile"
+    PYTHONUNBUFFERED=1 timeout 300 python3 "$root/scripts/peer_hf_decode.py" --model $m --prompt-len 128 --new-tokens 256 --modes compile --json > "$out/peer.json" 2>"$out/peer.err" || { fail peer; tail -5 "$out/peer.err"; }
+    cat "$out/peer.json"
+    echo "== tprun TP=4 on one GPU (MPS)"
+    tprun_devices 4
+    $bin --backend cuda --ranks 4 --devices "$devices" --timeout 120 decode --model $m --prompt-file /tmp/prompt.txt --temperature 0 --max-new-tokens 128 --ignore-eos --json > "$out/l8b-tp4.json" 2>"$out/l8b-tp4.err" || { fail "tp4"; tail -5 "$out/l8b-tp4.err"; }
+    python3 -c "import json;j=json.load(open('$out/l8b-tp4.json'));print(f\"tprun TP=4 (one GPU): {j['decode_tokens_per_s']:.1f} tok/s, graph {j['graph']}, {j['allreduces_per_step']} allreduces/step\")"
+    exit $status
+fi
+echo "usage: decode.sh check|perf BIN [STORIES_DIR]"; exit 2
