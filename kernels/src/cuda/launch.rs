@@ -84,8 +84,20 @@ struct ArParams {
     world: u32,
     host_epoch: u32,
     vec: u32,
+    norm: ArNorm,
 }
-const _: () = assert!(std::mem::size_of::<ArParams>() == 592);
+const _: () = assert!(std::mem::size_of::<ArParams>() == 624);
+
+/// comm.cu `struct ArNorm`: the fused add + RMSNorm epilogue.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct ArNorm {
+    x: u64,
+    w: u64,
+    out: u64,
+    eps: f32,
+    pad: u32,
+}
 
 /// reduce.cu `struct ReduceParams`, passed by value.
 #[repr(C)]
@@ -135,6 +147,7 @@ fn kernel_names(module: &str) -> Vec<String> {
                     v.push(format!("allreduce_{algo}_{d}"));
                 }
             }
+            v.push("allreduce_oneshot_ll_addnorm_f32".to_string());
         }
         other => {
             return super::decode::kernel_names(other)
@@ -415,8 +428,9 @@ impl Launcher<'_> {
         (name, grid)
     }
 
-    pub(crate) fn allreduce(&self, a: &AllreduceArgs<'_, CudaBuf>) -> Result<()> {
-        a.validate()?;
+    /// Queues `a`; `true` when its add + norm epilogue was fused into the allreduce kernel
+    /// (one f32 row that fits the low-latency oneshot), `false` when the caller must run it.
+    pub(crate) fn allreduce(&self, a: &AllreduceArgs<'_, CudaBuf>) -> Result<bool> {
         let bytes = a.data.bytes();
         // `a.abort` is not looked at: it is host memory (the control block) that a kernel
         // cannot read without registering it; device waits are bounded by `a.timeout`
@@ -437,6 +451,7 @@ impl Launcher<'_> {
             // wrap, or a capture, below) is not checked.
             host_epoch: a.epoch,
             vec: 0,
+            norm: ArNorm::default(),
         };
         for (i, b) in a.comm.iter().enumerate() {
             p.comm[i] = b.addr(0, a.layout.total_bytes())?;
@@ -470,10 +485,27 @@ impl Launcher<'_> {
             a.world,
             a.algo,
         );
+        // The decode seam: one row, f32 weights, low-latency path → one fused kernel of one
+        // block (every rank decides alike: the same shapes and settings).
+        if let (Some(e), "oneshot_ll") = (&a.add_norm, algo) {
+            if e.rows == 1 && e.dim == a.data.len && e.w.dtype == DType::F32 {
+                p.norm = ArNorm {
+                    x: e.x.buf.addr(e.x.offset, e.x.bytes())?,
+                    w: e.w.buf.addr(e.w.offset, e.w.bytes())?,
+                    out: e.out.buf.addr(e.out.offset, e.out.bytes())?,
+                    eps: e.eps,
+                    pad: 0,
+                };
+                // SAFETY: as below; the epilogue's views were bounds-checked just above.
+                unsafe { self.launch("allreduce_oneshot_ll_addnorm_f32", 1, AR_THREADS, &mut p)? };
+                return Ok(true);
+            }
+        }
         let name = format!("allreduce_{algo}_{}", a.data.dtype);
         // SAFETY: ArParams is allreduce_*'s parameter; every address bounds-checked above; the
         // error words outlive the device, which syncs before dropping them.
-        unsafe { self.launch(&name, grid, AR_THREADS, &mut p) }
+        unsafe { self.launch(&name, grid, AR_THREADS, &mut p)? };
+        Ok(false)
     }
 }
 

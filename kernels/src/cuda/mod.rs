@@ -405,11 +405,11 @@ impl Device for CudaDevice {
                     u64::try_from(args.timeout.as_nanos()).unwrap_or(u64::MAX),
                     Ordering::Relaxed,
                 );
-                l.allreduce(args)?;
-                // The residual add + norm after the sum (a fused kernel is future work).
+                let fused = l.allreduce(args)?;
+                // The residual add + norm after the sum, where the kernel did not fuse it.
                 match args.add_norm_op() {
-                    Some(e) => l.decode_op(&Op::AddRmsNorm(e)),
-                    None => Ok(()),
+                    Some(e) if !fused => l.decode_op(&Op::AddRmsNorm(e)),
+                    _ => Ok(()),
                 }
             }
             other => l.decode_op(other),

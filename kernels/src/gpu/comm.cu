@@ -83,7 +83,17 @@
 #define TP_ERR_TIMEOUT 1u
 #define TP_ERR_EPOCH 2u
 
-// Arguments of allreduce_*: 64 * 8 + 8 * 8 + 4 * 4 = 592 bytes.
+// The residual add + RMSNorm epilogue of allreduce_oneshot_ll_addnorm_f32 (AllreduceArgs::
+// add_norm): x <- x + sum, out = x * rsqrt(mean(x^2) + eps) * w, one row of `n` f32.
+struct ArNorm {
+    u64 x;    // residual [n] f32, read and written
+    u64 w;    // norm weight [n] f32
+    u64 out;  // normed output [n] f32
+    float eps;
+    u32 pad;
+};
+
+// Arguments of allreduce_*: 64 * 8 + 8 * 8 + 4 * 4 + 32 = 624 bytes.
 struct ArParams {
     u64 comm[TP_MAX_WORLD];  // every rank's comm buffer, mapped into this process
     u64 data;                // this rank's data (in: partial, out: the sum)
@@ -99,6 +109,7 @@ struct ArParams {
     u32 host_epoch;          // AllreduceArgs::epoch (the device epoch's low 32 bits), or
                              // 0 = do not check (graph capture, or the host count wrapped)
     u32 vec;                 // 1 when data and every comm buffer are 16-byte aligned
+    ArNorm norm;             // the fused epilogue (only allreduce_oneshot_ll_addnorm_f32)
 };
 
 
@@ -427,3 +438,97 @@ TP_ALLREDUCE(host_reduce, bf16, BF16)
 TP_ALLREDUCE_LL(f32, F32)
 TP_ALLREDUCE_LL(f16, F16)
 TP_ALLREDUCE_LL(bf16, BF16)
+
+// ---- oneshot, low-latency, with the decode layer's seam fused in -------------------------
+//
+// allreduce_oneshot_ll_addnorm_f32: one block of TP_AR_THREADS threads, one f32 row of n
+// elements (n * 4 <= the low-latency capacity): the low-latency oneshot above, then, in the
+// same block, x <- x + sum and out = rms_norm(x) * w. It replaces an allreduce and an
+// add_rms_norm launch per seam (two per layer in decode), and the sum never goes back to
+// memory: `data` is left as it was (AllreduceArgs::add_norm leaves it unspecified).
+// Reads: the peers' lines (n * 2 * (world - 1) bytes of this rank's slot), x and w once;
+// writes x and out once. Every rank computes the same sums in the same order, so all ranks
+// hold bitwise the same x and out.
+#define TP_NORM_MAX_LINES 8  // lines kept in registers per thread: n <= 8 * 2 * 512 = 8192
+
+TP_DEV void oneshot_ll_addnorm(const ArParams& a) {
+    const u64 e = tp_begin(a);
+    const u32 flag = tp_ll_flag(e);
+    const u64 bytes = a.n * 4;
+    const u64 lines = bytes == 0 ? 1 : (bytes + 7) / 8;
+    const u64 slot = a.ll + (e & 1u) * a.ll_slot_bytes;
+    const u8* data = (const u8*)a.data;
+    const u32 t = threadIdx.x;
+    for (u64 k = t; k < lines; k += blockDim.x) {
+        const u32 w0 = tp_ld_msg_word(data, 2 * k, bytes);
+        const u32 w1 = tp_ld_msg_word(data, 2 * k + 1, bytes);
+        for (u32 p = 0; p < a.world; ++p) {
+            if (p == a.rank) continue;
+            u64* l = (u64*)(a.comm[p] + slot + (u64)a.rank * a.ll_stride + k * 16);
+            tp_st_ll(l, tp_ll_word(w0, flag), tp_ll_word(w1, flag));
+        }
+    }
+    float* x = (float*)a.norm.x;
+    float keep[2 * TP_NORM_MAX_LINES];
+    float ss = 0.0f;
+    int i = 0;
+    for (u64 k = t; k < lines; k += blockDim.x, ++i) {
+        float acc[2];
+        for (u32 p = 0; p < a.world; ++p) {
+            u32 w0, w1;
+            if (p == a.rank) {
+                w0 = tp_ld_msg_word(data, 2 * k, bytes);
+                w1 = tp_ld_msg_word(data, 2 * k + 1, bytes);
+            } else {
+                u64* l = (u64*)(a.comm[a.rank] + slot + (u64)p * a.ll_stride + k * 16);
+                tp_ll_recv(a, l, flag, p, e, w0, w1);
+            }
+            // Rank order, accumulator starting at rank 0's value (elem.h's sum order).
+            const float v0 = tp_f32_from_bits(w0), v1 = tp_f32_from_bits(w1);
+            acc[0] = p == 0 ? v0 : acc[0] + v0;
+            acc[1] = p == 0 ? v1 : acc[1] + v1;
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const u64 idx = 2 * k + j;
+            if (idx < a.n) {
+                const float r = x[idx] + acc[j];
+                x[idx] = r;
+                ss += r * r;
+                if (i < TP_NORM_MAX_LINES) keep[2 * i + j] = r;
+            }
+        }
+    }
+    // Block sum of squares: each wave sums its lanes, then thread 0 adds the waves in order.
+    __shared__ float part[TP_AR_THREADS / 32 + 1];
+    __shared__ float inv;
+    ss = tp_wave_sum(ss);
+    if (t % TP_WAVE == 0) part[t / TP_WAVE] = ss;
+    __syncthreads();
+    if (t == 0) {
+        float s = 0.0f;
+        for (u32 wv = 0; wv < blockDim.x / TP_WAVE; ++wv) s += part[wv];
+        inv = 1.0f / sqrtf(s / (float)a.n + a.norm.eps);
+    }
+    __syncthreads();
+    const float* w = (const float*)a.norm.w;
+    float* out = (float*)a.norm.out;
+    i = 0;
+    for (u64 k = t; k < lines; k += blockDim.x, ++i) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const u64 idx = 2 * k + j;
+            if (idx < a.n) {
+                // This thread wrote x[idx] above; registers where they were kept.
+                const float r = i < TP_NORM_MAX_LINES ? keep[2 * i + j] : x[idx];
+                out[idx] = r * inv * w[idx];
+            }
+        }
+    }
+    tp_end(a, e);
+}
+
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_AR_THREADS, TP_AR_MIN_BLOCKS)
+    allreduce_oneshot_ll_addnorm_f32(ArParams a) {
+    oneshot_ll_addnorm(a);
+}
