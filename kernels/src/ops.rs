@@ -106,7 +106,7 @@ pub struct Embedding<'a, B> {
 
 impl<B> Embedding<'_, B> {
     pub fn validate(&self) -> Result<()> {
-        if self.hidden == 0 || self.table.len % self.hidden != 0 {
+        if self.hidden == 0 || !self.table.len.is_multiple_of(self.hidden) {
             return Err(bad(
                 "embedding",
                 format!("table of {} is not rows of {}", self.table.len, self.hidden),
@@ -185,7 +185,7 @@ pub struct Rope<'a, B> {
 
 impl<B> Rope<'_, B> {
     pub fn validate(&self) -> Result<()> {
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(bad("rope", format!("odd head_dim {}", self.head_dim)));
         }
         expect(
@@ -230,7 +230,7 @@ impl<B> QkvRope<'_, B> {
 
     pub fn validate(&self) -> Result<()> {
         let (d, kv) = (self.head_dim, self.kv_heads * self.head_dim);
-        if d % 2 != 0 || kv == 0 || self.k_cache.len % kv != 0 {
+        if !d.is_multiple_of(2) || kv == 0 || !self.k_cache.len.is_multiple_of(kv) {
             return Err(bad(
                 "qkv_rope",
                 format!(
@@ -308,7 +308,7 @@ impl<B> Attention<'_, B> {
                 format!("{h} query heads over {kvh} KV heads"),
             ));
         }
-        if self.k_cache.len % (kvh * d) != 0 || self.cap() == 0 {
+        if !self.k_cache.len.is_multiple_of(kvh * d) || self.cap() == 0 {
             return Err(bad("attention", "the cache is not whole rows"));
         }
         expect("attention", "q", &self.q, self.rows * h * d, F32)?;
@@ -478,7 +478,7 @@ pub struct Sample<'a, B> {
 impl<B> Sample<'_, B> {
     pub fn validate(&self) -> Result<()> {
         if self.cands.len == 0
-            || self.cands.len % 2 != 0
+            || !self.cands.len.is_multiple_of(2)
             || self.cands.len > 2 * TOPK_MAX * crate::comm::MAX_WORLD
         {
             return Err(bad(
@@ -487,9 +487,8 @@ impl<B> Sample<'_, B> {
             ));
         }
         let p = &self.params;
-        if !(p.temperature >= 0.0 && p.temperature.is_finite())
-            || !(p.top_p > 0.0 && p.top_p <= 1.0)
-        {
+        let ok = p.temperature >= 0.0 && p.temperature.is_finite();
+        if !(ok && p.top_p > 0.0 && p.top_p <= 1.0) {
             return Err(bad(
                 "sample",
                 format!("temperature {} top_p {}", p.temperature, p.top_p),

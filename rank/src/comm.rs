@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use tprun_ipc::wire::ExportItem;
 use tprun_ipc::{Conn, ControlBlock, Msg};
-use tprun_kernels::comm::{AllreduceArgs, CommAlgo, CommLayout};
+use tprun_kernels::comm::{AddNorm, AllreduceArgs, CommAlgo, CommLayout};
 use tprun_kernels::{Device, Export, ExportMeta, Op, View};
 
 use crate::job::{Algo, Backend};
@@ -209,6 +209,16 @@ impl<D: Device> Communicator<D> {
 
     /// In-place allreduce of `data` with `algo`.
     pub fn allreduce_with(&mut self, algo: Algo, data: View<'_, D::Buf>) -> Result<(), RankError> {
+        self.allreduce_then(algo, data, None)
+    }
+
+    /// In-place allreduce of `data` with `algo`, then the optional add + norm epilogue.
+    fn allreduce_then(
+        &mut self,
+        algo: Algo,
+        data: View<'_, D::Buf>,
+        add_norm: Option<AddNorm<'_, D::Buf>>,
+    ) -> Result<(), RankError> {
         if data.bytes() > self.layout.data_bytes {
             return Err(RankError::Other(format!(
                 "allreduce of {} bytes exceeds the {}-byte communication buffer",
@@ -216,7 +226,7 @@ impl<D: Device> Communicator<D> {
                 self.layout.data_bytes
             )));
         }
-        if data.len == 0 {
+        if data.len == 0 && add_norm.is_none() {
             // Every rank makes the same calls, so every rank skips this one alike.
             return Ok(());
         }
@@ -245,9 +255,9 @@ impl<D: Device> Communicator<D> {
             // lines), which each peer passes or sends only once this reduce of its own has
             // finished (stream order). Before a buffer is freed, `close` waits for the peers.
         }
-        self.dev.run(&Op::Allreduce(
-            self.call_args(algo, self.epoch, data, &refs),
-        ))?;
+        let mut args = self.call_args(algo, self.epoch, data, &refs);
+        args.add_norm = add_norm;
+        self.dev.run(&Op::Allreduce(args))?;
         self.control.beat(self.rank);
         Ok(())
     }
@@ -315,6 +325,14 @@ impl<D: Device> Collectives<D> for Communicator<D> {
 
     fn allreduce(&mut self, data: View<'_, D::Buf>) -> Result<(), RankError> {
         self.allreduce_with(self.default_algo, data)
+    }
+
+    fn allreduce_add_norm(
+        &mut self,
+        data: View<'_, D::Buf>,
+        add_norm: AddNorm<'_, D::Buf>,
+    ) -> Result<(), RankError> {
+        self.allreduce_then(self.default_algo, data, Some(add_norm))
     }
 
     fn epoch(&self) -> u32 {

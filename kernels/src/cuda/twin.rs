@@ -130,7 +130,8 @@ fn differ(spec: &Buf, got: &[u8], want: &[u8], tol: Tol) -> Option<String> {
         .zip(&w)
         .position(|(a, b)| {
             let same_nan = a.is_nan() && b.is_nan();
-            !same_nan && !((a - b).abs() <= t * (1.0 + b.abs()))
+            let close = (a - b).abs() <= t * (1.0 + b.abs());
+            !same_nan && !close
         })
         .map(|i| {
             format!(

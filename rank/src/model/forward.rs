@@ -28,6 +28,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use tprun_kernels::comm::AddNorm;
 use tprun_kernels::dtype::{decode_u32, encode_u32};
 use tprun_kernels::ops::{self, Prologue, SampleParams, TOPK_MAX};
 use tprun_kernels::{DType, Device, Op, View};
@@ -654,17 +655,16 @@ impl<D: Device> Model<D> {
             self.graph = captured.map(|g| (g, n, *p));
         }
         info.graph = self.graph.is_some();
-        let mut queue =
-            |this: &Self, comm: &mut dyn Collectives<D>| -> Result<D::Mark, RankError> {
-                match &this.graph {
-                    Some((g, n, _)) => {
-                        this.dev.replay(g)?;
-                        comm.set_epoch(comm.epoch().wrapping_add(*n));
-                    }
-                    None => this.run_step(comm, Some(p))?,
+        let queue = |this: &Self, comm: &mut dyn Collectives<D>| -> Result<D::Mark, RankError> {
+            match &this.graph {
+                Some((g, n, _)) => {
+                    this.dev.replay(g)?;
+                    comm.set_epoch(comm.epoch().wrapping_add(*n));
                 }
-                Ok(this.dev.mark()?)
-            };
+                None => this.run_step(comm, Some(p))?,
+            }
+            Ok(this.dev.mark()?)
+        };
         let e0 = comm.epoch();
         let mut pending = std::collections::VecDeque::new();
         pending.push_back(queue(self, comm)?);
@@ -739,10 +739,18 @@ impl<D: Device> Model<D> {
         }))?;
         // x = x + allreduce(partial); xb = norm(x) · next_norm: the seam after each
         // row-parallel projection.
-        let mut residual =
+        let residual =
             |comm: &mut dyn Collectives<D>, next_norm: View<'_, D::Buf>| -> Result<(), RankError> {
                 if world > 1 {
-                    comm.allreduce(o)?;
+                    let e = AddNorm {
+                        x,
+                        w: next_norm,
+                        out: xb,
+                        rows: m,
+                        dim: h,
+                        eps,
+                    };
+                    return comm.allreduce_add_norm(o, e);
                 }
                 dev.run(&Op::AddRmsNorm(ops::AddRmsNorm {
                     x,

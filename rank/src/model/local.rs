@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use tprun_kernels::comm::AddNorm;
 use tprun_kernels::{AllreduceArgs, CommAlgo, CommLayout, Device, Op, View};
 
 use crate::{Collectives, RankError};
@@ -78,6 +79,30 @@ impl<D: Device> Collectives<D> for LocalComm<D> {
             self.epoch = self.epoch.wrapping_add(1);
             start += n;
         }
+        Ok(())
+    }
+
+    fn allreduce_add_norm(
+        &mut self,
+        data: View<'_, D::Buf>,
+        add_norm: AddNorm<'_, D::Buf>,
+    ) -> Result<(), RankError> {
+        self.allreduce(data)?;
+        let op = AllreduceArgs {
+            algo: CommAlgo::Oneshot,
+            rank: self.rank,
+            world: self.bufs.len(),
+            epoch: 0,
+            data,
+            comm: &[],
+            layout: self.layout,
+            timeout: TIMEOUT,
+            abort: None,
+            add_norm: Some(add_norm),
+        }
+        .add_norm_op()
+        .expect("given above");
+        self.dev.run(&Op::AddRmsNorm(op))?;
         Ok(())
     }
 
