@@ -315,6 +315,88 @@ impl LocalWorld {
         })
     }
 
+    /// One oneshot allreduce of f32 `inputs[r]` with the add + norm epilogue (`x0` the
+    /// residual, `w` the norm weight, both the same on every rank): every rank's (x, out).
+    pub fn allreduce_add_norm(
+        &mut self,
+        inputs: &[Vec<f32>],
+        x0: &[f32],
+        w: &[f32],
+        eps: f32,
+        timeout: Duration,
+    ) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
+        self.poison_slots()?;
+        let epoch = self.epoch;
+        self.epoch = self.epoch.wrapping_add(1);
+        let world = self.world();
+        let n = x0.len();
+        let this = &*self;
+        let barrier = Barrier::new(world);
+        let f32s = |v: &[f32]| encode(DType::F32, v);
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..world)
+                .map(|r| {
+                    let barrier = &barrier;
+                    s.spawn(move || -> Result<(Vec<f32>, Vec<f32>)> {
+                        let dev = &this.devs[r];
+                        let bufs = (|| {
+                            let (d, x, wb, o) = (
+                                dev.alloc(n * 4)?,
+                                dev.alloc(n * 4)?,
+                                dev.alloc(n * 4)?,
+                                dev.alloc(n * 4)?,
+                            );
+                            dev.write(&d, 0, &f32s(&inputs[r]))?;
+                            dev.write(&x, 0, &f32s(x0))?;
+                            dev.write(&wb, 0, &f32s(w))?;
+                            dev.write(&o, 0, &vec![POISON; n * 4])?;
+                            dev.sync()?;
+                            Ok((d, x, wb, o))
+                        })();
+                        barrier.wait();
+                        let (d, x, wb, o) = bufs?;
+                        let comm = this.comm_of(r);
+                        let v = |b| View::new(b, 0, n, DType::F32);
+                        let ran = dev.run(&Op::Allreduce(AllreduceArgs {
+                            algo: CommAlgo::Oneshot,
+                            rank: r,
+                            world,
+                            epoch,
+                            data: v(&d),
+                            comm: &comm,
+                            layout: this.layout,
+                            timeout,
+                            abort: None,
+                            add_norm: Some(crate::comm::AddNorm {
+                                x: v(&x),
+                                w: v(&wb),
+                                out: v(&o),
+                                rows: 1,
+                                dim: n,
+                                eps,
+                            }),
+                        }));
+                        let got = ran.and_then(|()| dev.sync()).and_then(|()| {
+                            let mut a = vec![0u8; n * 4];
+                            let mut b = vec![0u8; n * 4];
+                            dev.read(&x, 0, &mut a)?;
+                            dev.read(&o, 0, &mut b)?;
+                            Ok((
+                                crate::dtype::decode(DType::F32, &a),
+                                crate::dtype::decode(DType::F32, &b),
+                            ))
+                        });
+                        barrier.wait();
+                        got
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().expect("rank thread panicked"))
+                .collect()
+        })
+    }
+
     /// Mean time of one allreduce of `n` elements over `iters` back-to-back calls (after
     /// `warmup` calls), each rank timing its own stream with events; the slowest rank's.
     pub fn time_allreduce(
@@ -490,6 +572,76 @@ pub fn selftest(ordinal: usize, mode: IpcMode, seed: u64) -> Result<Vec<Selftest
                     detail,
                 });
             }
+        }
+    }
+
+    // The fused allreduce + add + norm (the decode seam): every rank bitwise the same, and
+    // within 1e-5 of the CPU twin (rank-order sum, add, rms_norm; the norm's sum of squares
+    // runs in another order).
+    for world in 1..=4usize {
+        for n in [1usize, 7, 1000, 4096, 8192] {
+            let mut w = LocalWorld::new(ordinal, mode, world, n * 4)?;
+            let vals = |rng: &mut Rng, k: usize| -> Vec<f32> {
+                (0..k).map(|_| rng.value(-6..=1)).collect()
+            };
+            let inputs: Vec<Vec<f32>> = (0..world).map(|_| vals(&mut rng, n)).collect();
+            let (x0, wt) = (vals(&mut rng, n), vals(&mut rng, n));
+            let got = w.allreduce_add_norm(&inputs, &x0, &wt, 1e-5, Duration::from_secs(5));
+            let cpu = CpuDevice::new(0, 1, 0);
+            let up = |v: &[f32]| -> Result<CpuBuf> {
+                let b = cpu.alloc(v.len() * 4)?;
+                cpu.write(&b, 0, &encode(DType::F32, v))?;
+                Ok(b)
+            };
+            let bytes: Vec<Vec<u8>> = inputs.iter().map(|v| encode(DType::F32, v)).collect();
+            let sum = up(&crate::dtype::decode(
+                DType::F32,
+                &cpu_sum(DType::F32, &bytes)?,
+            ))?;
+            let (cx, cw, co) = (up(&x0)?, up(&wt)?, cpu.alloc(n * 4)?);
+            let v = |b| View::new(b, 0, n, DType::F32);
+            cpu.run(&Op::AddRmsNorm(crate::ops::AddRmsNorm {
+                x: v(&cx),
+                delta: v(&sum),
+                w: v(&cw),
+                out: v(&co),
+                rows: 1,
+                dim: n,
+                eps: 1e-5,
+            }))?;
+            let read = |b: &CpuBuf| -> Result<Vec<f32>> {
+                let mut o = vec![0u8; n * 4];
+                cpu.read(b, 0, &mut o)?;
+                Ok(crate::dtype::decode(DType::F32, &o))
+            };
+            let (wx, wo) = (read(&cx)?, read(&co)?);
+            let close = |a: &[f32], b: &[f32]| {
+                a.iter().zip(b).position(|(p, q)| {
+                    let ok = (p - q).abs() <= 1e-5 * (1.0 + q.abs());
+                    !ok
+                })
+            };
+            let detail = match got {
+                Err(e) => e.to_string(),
+                Ok(ranks) => {
+                    if ranks.iter().any(|r| r != &ranks[0]) {
+                        "ranks differ".to_string()
+                    } else if let Some(i) = close(&ranks[0].0, &wx) {
+                        format!("x element {i}: got {}, expected {}", ranks[0].0[i], wx[i])
+                    } else if let Some(i) = close(&ranks[0].1, &wo) {
+                        format!("out element {i}: got {}, expected {}", ranks[0].1[i], wo[i])
+                    } else {
+                        String::new()
+                    }
+                }
+            };
+            out.push(SelftestResult {
+                op: format!("allreduce+add+rms_norm world {world}"),
+                dtype: DType::F32,
+                elems: n,
+                ok: detail.is_empty(),
+                detail,
+            });
         }
     }
 
