@@ -124,6 +124,14 @@ impl CudaBuf {
         })
     }
 
+    /// The host address of a host-mapped buffer ([`CudaBuf::alloc_mapped`]).
+    pub(crate) fn host_ptr(&self) -> Option<*mut u8> {
+        match self.backing {
+            Backing::HostMapped { host } => Some(host),
+            _ => None,
+        }
+    }
+
     /// Copies `dst.len()` bytes at `offset` of a host-mapped buffer to `dst`, with volatile
     /// reads (kernels write it behind the compiler's back). The caller has waited for the
     /// work that wrote them (an event; kernels' writes to mapped memory are visible to the

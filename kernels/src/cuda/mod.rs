@@ -93,6 +93,8 @@ pub struct CudaDevice {
     /// The timeout of the last allreduce queued, for the error message.
     last_timeout_ns: AtomicU64,
     err: HostWords,
+    /// Page-locked staging for large host → device writes (weights), made on first use.
+    staging: std::sync::Mutex<Option<Staging>>,
     kernels: Kernels,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
@@ -152,6 +154,7 @@ impl CudaDevice {
             small_copy_kernel: std::env::var("TPRUN_CUDA_MEMCPY").map_or(true, |v| v != "1"),
             last_timeout_ns: AtomicU64::new(0),
             err,
+            staging: std::sync::Mutex::new(None),
             kernels,
             stream,
             ctx,
@@ -260,6 +263,56 @@ impl CudaDevice {
         }
     }
 
+    /// A large host → device copy through the two staging buffers (see [`Staging`]).
+    fn write_staged(&self, d: u64, src: &[u8]) -> Result<()> {
+        let mut guard = self
+            .staging
+            .lock()
+            .map_err(|_| KernelError::Backend("staging lock poisoned".into()))?;
+        if guard.is_none() {
+            *guard = Some(Staging {
+                bufs: [
+                    CudaBuf::alloc_mapped(&self.ctx, STAGE_BYTES)?,
+                    CudaBuf::alloc_mapped(&self.ctx, STAGE_BYTES)?,
+                ],
+                done: [None, None],
+            });
+        }
+        let st = guard.as_mut().expect("made above");
+        for (i, chunk) in src.chunks(STAGE_BYTES).enumerate() {
+            let j = i % 2;
+            if let Some(ev) = st.done[j].take() {
+                ev.synchronize().map_err(driver_err("cuEventSynchronize"))?;
+            }
+            let host = st.bufs[j]
+                .host_ptr()
+                .expect("staging buffers are host-mapped");
+            // SAFETY: the buffer holds STAGE_BYTES ≥ chunk.len() bytes and no copy reads it
+            // (its last copy's event completed above).
+            let pinned = unsafe {
+                std::ptr::copy_nonoverlapping(chunk.as_ptr(), host, chunk.len());
+                std::slice::from_raw_parts(host as *const u8, chunk.len())
+            };
+            // SAFETY: the destination range was bounds-checked by the caller (`d` covers
+            // src.len() bytes); `pinned` stays untouched until the event recorded below has
+            // completed.
+            unsafe {
+                dr::memcpy_htod_async(
+                    d + (i * STAGE_BYTES) as u64,
+                    pinned,
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(driver_err("cuMemcpyHtoDAsync"))?;
+            st.done[j] = Some(
+                self.stream
+                    .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                    .map_err(driver_err("cuEventRecord"))?,
+            );
+        }
+        Ok(())
+    }
+
     /// Zeroes `buf` and waits, so that other streams (peers') see zeros too.
     fn zero(&self, buf: &CudaBuf) -> Result<()> {
         // SAFETY: the whole buffer is live device memory; we wait below.
@@ -319,6 +372,21 @@ impl Drop for CudaDevice {
     }
 }
 
+/// Writes above this size go through [`Staging`]: below it the driver's own copy of pageable
+/// memory is as fast and needs no buffer.
+const STAGE_MIN: usize = 1 << 20;
+/// One staging buffer: 32 MiB, big enough that a chunk's DMA (~1 ms at 25–50 GB/s) hides
+/// the fixed costs, small enough to be nothing next to the weights.
+const STAGE_BYTES: usize = 32 << 20;
+
+/// Two page-locked host buffers: the host copies chunk i of a write into one (reading its
+/// source: for weights, pages of an mmapped file) while the copy engine moves chunk i − 1
+/// from the other to the device; an event per buffer says when it may be refilled.
+struct Staging {
+    bufs: [CudaBuf; 2],
+    done: [Option<cudarc::driver::CudaEvent>; 2],
+}
+
 /// A captured, instantiated CUDA graph ([`Device::capture`]). Dropping it destroys both; the
 /// caller must not drop it while a replay is queued (the model syncs first).
 pub struct CudaGraph {
@@ -373,6 +441,9 @@ impl Device for CudaDevice {
             return Ok(());
         }
         self.bind()?;
+        if src.len() > STAGE_MIN {
+            return self.write_staged(d, src);
+        }
         // SAFETY: bounds-checked. From pageable memory the driver copies `src` to a staging
         // buffer before returning (CUDA "API synchronization behavior"), so `src` may be
         // reused at once; the copy is ordered on our stream with the ops.
