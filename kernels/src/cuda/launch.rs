@@ -247,6 +247,9 @@ pub(crate) struct Launcher<'a> {
     /// Whether small same-dtype copies run as a kernel (else always a memcpy).
     pub small_copy_kernel: bool,
     pub err_words: u64,
+    /// Decode kernels launched with programmatic stream serialization (sm_90+; every decode
+    /// kernel calls tp_pdl_wait() before reading what an earlier kernel wrote).
+    pub pdl: bool,
 }
 
 impl Launcher<'_> {
@@ -286,12 +289,45 @@ impl Launcher<'_> {
         params: &mut P,
     ) -> Result<()> {
         let mut args = [(params as *mut P).cast::<c_void>()];
+        let grid = (grid.0.max(1), grid.1.max(1), grid.2.max(1));
+        if self.pdl {
+            use cudarc::driver::sys;
+            // SAFETY: a plain C struct (an id and a union of plain values): all-zero is valid.
+            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let cfg = sys::CUlaunchConfig {
+                gridDimX: grid.0,
+                gridDimY: grid.1,
+                gridDimZ: grid.2,
+                blockDimX: block,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: smem,
+                hStream: self.stream.cu_stream(),
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            // SAFETY: per the contract; `cfg` and `attr` live across the call, which copies
+            // the parameters before it returns.
+            return unsafe {
+                sys::cuLaunchKernelEx(
+                    &cfg,
+                    f.cu_function(),
+                    args.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            }
+            .result()
+            .map_err(driver_err("launching a decode kernel (PDL)"));
+        }
         // SAFETY: per the contract; cuLaunchKernel copies the parameter values before it
         // returns.
         unsafe {
             dr::launch_kernel(
                 f.cu_function(),
-                (grid.0.max(1), grid.1.max(1), grid.2.max(1)),
+                grid,
                 (block, 1, 1),
                 smem,
                 self.stream.cu_stream(),

@@ -90,6 +90,11 @@ pub struct CudaDevice {
     /// Small same-dtype copies as a kernel (default) or always a memcpy (`TPRUN_CUDA_MEMCPY=1`,
     /// for A/B measurements).
     small_copy_kernel: bool,
+    /// Decode kernels launched with programmatic dependent launch; see
+    /// [`CudaDevice::set_pdl`].
+    pdl: AtomicBool,
+    /// Compute capability, major version.
+    cc_major: i32,
     /// The timeout of the last allreduce queued, for the error message.
     last_timeout_ns: AtomicU64,
     err: HostWords,
@@ -152,6 +157,8 @@ impl CudaDevice {
             // inherits the coordinator's environment, so all ranks agree).
             ll: AtomicBool::new(std::env::var("TPRUN_CUDA_LL").map_or(true, |v| v != "0")),
             small_copy_kernel: std::env::var("TPRUN_CUDA_MEMCPY").map_or(true, |v| v != "1"),
+            pdl: AtomicBool::new(false),
+            cc_major: cc.0,
             last_timeout_ns: AtomicU64::new(0),
             err,
             staging: std::sync::Mutex::new(None),
@@ -228,6 +235,14 @@ impl CudaDevice {
         self.ll.store(on, Ordering::Relaxed);
     }
 
+    /// Launches the decode kernels with programmatic dependent launch (sm_90 and newer; a
+    /// no-op request elsewhere): each may start while the one before it finishes, and waits
+    /// in-kernel (tp_pdl_wait) before reading its outputs.
+    pub fn set_pdl(&self, on: bool) {
+        // Relaxed: a plain setting read at the next launch by the thread that queues it.
+        self.pdl.store(on && self.cc_major >= 9, Ordering::Relaxed);
+    }
+
     /// (kernel, blocks per SM) of every allreduce kernel, for `tprun info` and tuning notes.
     pub fn allreduce_occupancy(&self) -> Result<Vec<(String, u32)>> {
         self.kernels.allreduce_occupancy()
@@ -260,6 +275,8 @@ impl CudaDevice {
             ll: self.low_latency(),
             small_copy_kernel: self.small_copy_kernel,
             err_words: self.err.device_addr(),
+            // Relaxed: a plain setting, like comm_blocks.
+            pdl: self.pdl.load(Ordering::Relaxed),
         }
     }
 

@@ -227,3 +227,16 @@ TP_DEV u64 tp_time_ns() {
     return t;
 #endif
 }
+
+// ---- programmatic dependent launch ------------------------------------------------------
+// A decode kernel launched with programmatic stream serialization (the host's launch_fn on
+// sm_90 with PDL on) may start while the kernel before it on the stream is still finishing;
+// tp_pdl_wait() blocks until that kernel has completed and its writes are visible (PTX
+// griddepcontrol.wait), so every read of an earlier kernel's output must come after it.
+// Work that reads only what no kernel of the step writes (weights) may run before it: that
+// is the overlap. Without the launch attribute, and on HIP, it is a no-op.
+TP_DEV void tp_pdl_wait() {
+#if defined(TP_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
