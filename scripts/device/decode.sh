@@ -8,6 +8,8 @@
 #       a synth qwen3; bad input (a KV cache that does not fit, a dtype the GPU path does not
 #       take) fails with one line and leaves nothing on the GPU; SIGKILL of a rank mid-decode
 #       exits 3 within 2 s naming it.
+#   scripts/device/decode.sh all BIN STORIES_DIR      both, in one call (DEADLINE=epoch seconds
+#                                                     skips what no longer fits)
 #   scripts/device/decode.sh perf BIN                 speed and the Hugging Face comparison:
 #       synth llama3-8b bf16 (16 GB); transformers' greedy logits for 32 steps against
 #       tprun's (scripts/hf_reference.py, scripts/compare_logits.py); tprun decode TP=1, 256
@@ -27,6 +29,8 @@ export TPRUN_KERNEL_CACHE="${TPRUN_KERNEL_CACHE:-/tmp/tprun-kernel-cache}"
 tprun_nvrtc_link
 status=0
 fail() { echo "FAILED: $*"; status=1; }
+# Seconds left before DEADLINE (epoch seconds; default: none): sections that need more skip.
+room() { [ -z "${DEADLINE:-}" ] || [ $(( DEADLINE - $(date +%s) )) -ge "$1" ] || { echo "SKIPPED (time): $2"; return 1; }; }
 gpu_apps() { nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader | grep -c tprun; }
 
 # Max relative difference of two raw f32 logit dumps (same shape).
@@ -43,10 +47,10 @@ sys.exit(0 if d.max() <= 1e-4 else 1)
 PY
 }
 
-if [ "$mode" = check ]; then
+if [ "$mode" = check ] || [ "$mode" = all ]; then
     stories="$(realpath "${3:?stories260k folder}")"
     echo "== selftest (1 rank; kernels + allreduce)"
-    $bin selftest > "$out/selftest.txt" 2>&1 || fail selftest
+    timeout "${SELFTEST_S:-600}" $bin selftest > "$out/selftest.txt" 2>&1 || fail selftest
     grep -E "FAIL|failed|passed|checks" "$out/selftest.txt" | tail -25
     want=$(python3 -c "import json;r=json.load(open('$stories/reference.json'));print(','.join(map(str,r['generated_token_ids'])))" 2>/dev/null)
     prompt=$(python3 -c "import json;r=json.load(open('$stories/reference.json'));print(r['prompt'])" 2>/dev/null)
@@ -85,7 +89,7 @@ PY
     sleep 1; echo "tprun processes on the GPU after bad input: $(gpu_apps)"; [ "$(gpu_apps)" -eq 0 ] || fail "left on GPU"
     echo "== SIGKILL rank 2 mid-decode (4 ranks)"
     log=$(mktemp)
-    $bin --backend cuda --ranks 4 --devices "$devices" decode --model /tmp/q3 --max-new-tokens 100000000 --max-seq 4096 --ignore-eos > /dev/null 2>"$log" &
+    $bin --backend cuda --ranks 4 --devices "$devices" decode --model /tmp/q3 --max-new-tokens 100000000 --max-seq 2000000 --ignore-eos > /dev/null 2>"$log" &
     coord=$!
     sleep 8
     pid=$(pgrep -P "$coord" -f -- "--rank 2( |$)" | head -1)
@@ -93,27 +97,21 @@ PY
     ms=$(( (t1 - t0) / 1000000 )); sleep 1
     echo "exit $rc after $ms ms: $(grep -m1 '^error' "$log"); on the GPU after: $(gpu_apps)"
     { [ $rc -eq 3 ] && [ $ms -le 2000 ] && [ "$(gpu_apps)" -eq 0 ]; } || { fail "sigkill"; tail -5 "$log"; }
-    exit $status
+    [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] && tprun_mps_restart
+    [ "$mode" = check ] && exit $status
 fi
 
-if [ "$mode" = perf ]; then
+if [ "$mode" = perf ] || [ "$mode" = all ]; then
     m=/tmp/l8b
     echo "== synth llama3-8b bf16"
     t0=$(date +%s); $bin synth --arch llama --preset llama3-8b --dtype bf16 --out $m > /dev/null 2>&1 || fail synth
     echo "synth took $(( $(date +%s) - t0 )) s; $(du -sh $m | cut -f1)"
     # A 128-token prompt (byte-level tokenizer: 127 bytes + BOS, or 128 bytes).
     python3 -c "print(('Once upon a time, in a land far away, there lived a small robot who loved to count the stars every night. ' * 3)[:127], end='')" > /tmp/prompt.txt
-    echo "== tprun TP=1 dump 32 greedy steps"
-    $bin --backend cuda --ranks 1 decode --model $m --prompt-file /tmp/prompt.txt --temperature 0 --max-new-tokens 32 --ignore-eos --json --dump-logits /tmp/l8b.f32 > "$out/l8b-dump.json" 2>"$out/l8b-dump.err" || { fail dump; tail -5 "$out/l8b-dump.err"; }
-    python3 -c "import json;j=json.load(open('$out/l8b-dump.json'));open('/tmp/prompt_ids','w').write(','.join(map(str,j['prompt_ids'])));print('prompt tokens',len(j['prompt_ids']))"
-    echo "== transformers reference (bf16, sdpa) and comparison"
-    PYTHONUNBUFFERED=1 timeout 240 python3 "$root/scripts/hf_reference.py" --model $m --prompt-ids-file /tmp/prompt_ids --steps 32 --out /tmp/hf.npz > "$out/hf_ref.txt" 2>&1 || { fail hf_reference; tail -5 "$out/hf_ref.txt"; }
-    python3 "$root/scripts/compare_logits.py" --tprun-logits /tmp/l8b.f32 --vocab 128256 --tprun-json "$out/l8b-dump.json" --hf /tmp/hf.npz --steps 32 > "$out/compare.txt" 2>&1 || fail compare
-    tail -4 "$out/compare.txt"
-    echo "== tprun decode TP=1: 256 tokens after 128 (x2)"
+    echo "== tprun decode TP=1: 256 tokens after 128"
     for i in 1 2; do
         $bin --backend cuda --ranks 1 decode --model $m --prompt-file /tmp/prompt.txt --temperature 0 --max-new-tokens 256 --ignore-eos --json > "$out/l8b-tp1-$i.json" 2>"$out/l8b-tp1.err" || { fail "tp1"; tail -5 "$out/l8b-tp1.err"; }
-        python3 -c "import json;j=json.load(open('$out/l8b-tp1-$i.json'));print(f\"tprun TP=1: {j['decode_tokens_per_s']:.1f} tok/s, p50 {j['token_latency_p50_ms']:.3f} ms, {j['weight_gb_per_s']:.0f} GB/s of weights, graph {j['graph']}, load {j['load_gb_per_s']:.1f} GB/s\")"
+        python3 -c "import json;j=json.load(open('$out/l8b-tp1-$i.json'));print(f\"tprun TP=1: {j['decode_tokens_per_s']:.1f} tok/s, p50 {j['token_latency_p50_ms']:.3f} ms, {j['weight_gb_per_s']:.0f} GB/s of weights, graph {j['graph']}, load {j['load_s']:.1f} s {j['load_gb_per_s']:.1f} GB/s, device {j['device_bytes_per_rank']/1e9:.1f} GB\")"
     done
     echo "== device copy bandwidth"
     python3 - <<'PY' | tee "$out/copy.txt"
@@ -126,13 +124,24 @@ for _ in range(10): y.copy_(x)
 e.record(); torch.cuda.synchronize(); t = s.elapsed_time(e) / 10 / 1e3
 print(f"device copy 1 GiB: {2 * (1 << 30) / t / 1e12:.2f} TB/s (read + write); 15.0 GB/token at half of it: {(1 << 30) / t / 15.0e9:.0f} tok/s")
 PY
+    if room 200 "peer"; then
     echo "== peer: transformers static cache + torch.compile"
-    PYTHONUNBUFFERED=1 timeout 300 python3 "$root/scripts/peer_hf_decode.py" --model $m --prompt-len 128 --new-tokens 256 --modes compile --json > "$out/peer.json" 2>"$out/peer.err" || { fail peer; tail -5 "$out/peer.err"; }
+    PYTHONUNBUFFERED=1 timeout 300 python3 "$root/scripts/peer_hf_decode.py" --model $m --prompt-len 128 --new-tokens 256 --modes compile --repeats 1 --json > "$out/peer.json" 2>"$out/peer.err" || { fail peer; tail -5 "$out/peer.err"; }
     cat "$out/peer.json"
+    fi
+    room 150 "hf compare" || exit $status
+    echo "== tprun TP=1 dump 32 greedy steps"
+    $bin --backend cuda --ranks 1 decode --model $m --prompt-file /tmp/prompt.txt --temperature 0 --max-new-tokens 32 --ignore-eos --json --dump-logits /tmp/l8b.f32 > "$out/l8b-dump.json" 2>"$out/l8b-dump.err" || { fail dump; tail -5 "$out/l8b-dump.err"; }
+    python3 -c "import json;j=json.load(open('$out/l8b-dump.json'));open('/tmp/prompt_ids','w').write(','.join(map(str,j['prompt_ids'])));print('prompt tokens',len(j['prompt_ids']))"
+    echo "== transformers reference (bf16, sdpa) and comparison"
+    PYTHONUNBUFFERED=1 timeout 240 python3 "$root/scripts/hf_reference.py" --model $m --prompt-ids-file /tmp/prompt_ids --steps 32 --out /tmp/hf.npz > "$out/hf_ref.txt" 2>&1 || { fail hf_reference; tail -5 "$out/hf_ref.txt"; }
+    python3 "$root/scripts/compare_logits.py" --tprun-logits /tmp/l8b.f32 --vocab 128256 --tprun-json "$out/l8b-dump.json" --hf /tmp/hf.npz --steps 32 > "$out/compare.txt" 2>&1 || fail compare
+    tail -4 "$out/compare.txt"
+    room 60 "tp4" || exit $status
     echo "== tprun TP=4 on one GPU (MPS)"
     tprun_devices 4
     $bin --backend cuda --ranks 4 --devices "$devices" --timeout 120 decode --model $m --prompt-file /tmp/prompt.txt --temperature 0 --max-new-tokens 128 --ignore-eos --json > "$out/l8b-tp4.json" 2>"$out/l8b-tp4.err" || { fail "tp4"; tail -5 "$out/l8b-tp4.err"; }
     python3 -c "import json;j=json.load(open('$out/l8b-tp4.json'));print(f\"tprun TP=4 (one GPU): {j['decode_tokens_per_s']:.1f} tok/s, graph {j['graph']}, {j['allreduces_per_step']} allreduces/step\")"
     exit $status
 fi
-echo "usage: decode.sh check|perf BIN [STORIES_DIR]"; exit 2
+echo "usage: decode.sh check|perf|all BIN [STORIES_DIR]"; exit 2
