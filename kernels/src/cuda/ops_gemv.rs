@@ -1,28 +1,569 @@
-//! Launchers of `kernels/src/gpu/gemv.cu` (being written).
+//! Launchers of `kernels/src/gpu/gemv.cu`: `Matmul` (`y = f(x) · wᵀ (+ bias)`), one launch
+//! per call, the decode matrix–vector product when m = 1 and the token-tiled product of
+//! prefill when m > 1; and their twin cases.
+//!
+//! Owns: the kernel choice (m, prologue, weight dtype), the grid, the 16-byte-path decision.
+//! Must not: allocate or synchronise (captured into the decode graph).
+//!
+//! Bandwidth measured on one H200 (bf16, m = 1; the table and its method are in gemv.cu's
+//! header): [28672, 4096], [4096, 14336] and [128256, 4096] at 100–107 % of the 4.2 TB/s copy
+//! ceiling, [4096, 14336] with the SiluMul prologue at 90–92 %, [6144, 4096] at 86 % and
+//! [4096, 4096] at 79 %: a fixed ~2 µs per launch weighs on the short kernels.
 
 use super::launch::Launcher;
 use super::mem::CudaBuf;
+use super::program::Module;
+use super::selftest::Rng;
+use super::twin::{self, Buf, Tol, TwinCase};
 use super::{CudaDevice, SelftestResult};
 use crate::cpu::CpuDevice;
-use crate::device::Op;
-use crate::{KernelError, Result};
+use crate::device::{Op, View};
+use crate::ops::{Matmul, Prologue};
+use crate::{DType, KernelError, Result};
 
-/// The kernels of gemv.cu, in the order the launchers index them.
-pub(crate) const NAMES: &[&str] = &[];
+/// The kernels of gemv.cu, in the order the launchers index them: [`kernel_index`].
+pub(crate) const NAMES: &[&str] = &[
+    "gemv_f32",
+    "gemv_f16",
+    "gemv_bf16",
+    "gemv_silu_f32",
+    "gemv_silu_f16",
+    "gemv_silu_bf16",
+    "gemm_f32",
+    "gemm_f16",
+    "gemm_bf16",
+    "gemm_silu_f32",
+    "gemm_silu_f16",
+    "gemm_silu_bf16",
+];
 
-/// Queues one op of this family.
-pub(crate) fn launch(_l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
-    Err(KernelError::Unavailable {
-        backend: "cuda",
-        why: format!("no CUDA kernel for '{}' yet", op.name()),
+/// Output rows per wave (gemv.cu TP_GEMV_ROWS): every kernel but `gemv_silu_*`.
+const ROWS: usize = 2;
+/// Output rows per wave of `gemv_silu_*` (gemv.cu TP_GEMV_ROWS_SILU).
+const ROWS_SILU: usize = 4;
+/// Tokens per tile of `gemm_*` (gemv.cu TP_GEMV_TOKENS).
+const TOKENS: usize = 8;
+/// Lanes of a wave on every NVIDIA GPU (portable.h TP_WAVE).
+const WAVE: u32 = 32;
+/// Waves per block when the shape gives every SM at least two blocks of them. Measured on the
+/// H200: 2, 4 and 8 waves per block within 2 % of each other on the decode shapes; fewer
+/// waves per block only matter for small n, where they spread the waves over more SMs.
+const MAX_WAVES: usize = 4;
+/// CUDA's limit on gridDim.y; the kernel loops over the tiles beyond it.
+const MAX_GRID_Y: usize = 65535;
+
+/// gemv.cu `struct GemvParams`, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct GemvParams {
+    x: u64,
+    w: u64,
+    bias: u64,
+    y: u64,
+    m: u32,
+    k: u32,
+    n: u32,
+    vec: u32,
+}
+const _: () = assert!(std::mem::size_of::<GemvParams>() == 48);
+
+/// Index into [`NAMES`]: 6 · (m > 1) + 3 · (SiluMul) + weight dtype (f32, f16, bf16).
+fn kernel_index(m: usize, prologue: Prologue, dtype: DType) -> Result<usize> {
+    let d = match dtype {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::BF16 => 2,
+        DType::U32 => return Err(KernelError::Invalid("matmul: u32 weights".into())),
+    };
+    let silu = usize::from(prologue == Prologue::SiluMul);
+    Ok(6 * usize::from(m > 1) + 3 * silu + d)
+}
+
+/// What one launch needs: the kernel, grid and block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Plan {
+    index: usize,
+    grid: (u32, u32, u32),
+    block: u32,
+}
+
+/// One wave per row group of R outputs; `MAX_WAVES` waves per block, halved while that would
+/// leave fewer than two blocks per SM; one grid row per tile of [`TOKENS`] tokens when m > 1.
+fn plan(m: usize, n: usize, prologue: Prologue, dtype: DType, sms: u32) -> Result<Plan> {
+    let index = kernel_index(m, prologue, dtype)?;
+    let rows = if m == 1 && prologue == Prologue::SiluMul {
+        ROWS_SILU
+    } else {
+        ROWS
+    };
+    let groups = n.div_ceil(rows);
+    let mut waves = MAX_WAVES;
+    while waves > 1 && groups.div_ceil(waves) < 2 * sms as usize {
+        waves /= 2;
+    }
+    let tiles = if m > 1 { m.div_ceil(TOKENS) } else { 1 };
+    // groups <= n < 2^31 (checked by the caller), so both fit the grid's u32.
+    Ok(Plan {
+        index,
+        grid: (
+            groups.div_ceil(waves) as u32,
+            tiles.min(MAX_GRID_Y) as u32,
+            1,
+        ),
+        block: waves as u32 * WAVE,
     })
 }
 
-/// This family's twin cases (see `twin`).
+/// Whether byte ranges `[a, a + la)` and `[b, b + lb)` intersect.
+fn overlap(a: u64, la: usize, b: u64, lb: usize) -> bool {
+    la > 0 && lb > 0 && a < b + lb as u64 && b < a + la as u64
+}
+
+/// Queues one op of this family.
+pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
+    let Op::Matmul(a) = op else {
+        return Err(KernelError::Invalid(format!(
+            "gemv launcher got '{}'",
+            op.name()
+        )));
+    };
+    let bad = |why: String| KernelError::Invalid(format!("matmul: {why}"));
+    // The kernel indexes with u32 (row groups, tiles, packs); i32::MAX leaves it headroom.
+    let limit = i32::MAX as usize;
+    if a.m > limit || a.k > limit || a.n > limit {
+        return Err(bad(format!(
+            "[{}, {}] x [{}, {}] exceeds 2^31",
+            a.m, a.k, a.n, a.k
+        )));
+    }
+    let x = a.x.buf.addr(a.x.offset, a.x.bytes())?;
+    let w = a.w.buf.addr(a.w.offset, a.w.bytes())?;
+    let y = a.y.buf.addr(a.y.offset, a.y.bytes())?;
+    let bias = match &a.bias {
+        Some(b) => b.buf.addr(b.offset, b.bytes())?,
+        None => 0,
+    };
+    let esize = a.w.dtype.size() as u64;
+    if !(x.is_multiple_of(4)
+        && y.is_multiple_of(4)
+        && bias.is_multiple_of(4)
+        && w.is_multiple_of(esize))
+    {
+        return Err(bad("a view is not aligned to its element size".into()));
+    }
+    if overlap(y, a.y.bytes(), x, a.x.bytes()) || overlap(y, a.y.bytes(), w, a.w.bytes()) {
+        return Err(bad("y overlaps x or w".into()));
+    }
+    if a.m == 0 || a.n == 0 {
+        return Ok(());
+    }
+    // The 16-byte path: x and w aligned, k whole packs (4 f32 or 8 f16/bf16 per 16 bytes), so
+    // that every row of x, gate, up and w starts 16-byte aligned too.
+    let pack = 16 / a.w.dtype.size();
+    let vec = a.k.is_multiple_of(pack) && x.is_multiple_of(16) && w.is_multiple_of(16);
+    let p = plan(a.m, a.n, a.prologue, a.w.dtype, l.sms)?;
+    let mut params = GemvParams {
+        x,
+        w,
+        bias,
+        y,
+        m: a.m as u32,
+        k: a.k as u32,
+        n: a.n as u32,
+        vec: u32::from(vec),
+    };
+    let f = l.kernels.func(Module::Gemv, p.index);
+    // SAFETY: GemvParams mirrors gemv.cu's parameter struct (size asserted above); every
+    // address was bounds-checked for the whole view (validate() fixed the views' lengths to
+    // the shapes the kernel reads and writes), and the views' buffers outlive the queued
+    // launch (callers keep them until the stream is synchronised or the graph destroyed).
+    unsafe { l.launch_fn(f, p.grid, p.block, 0, &mut params) }
+}
+
+/// The shape of a twin case: `y = f(x) · wᵀ (+ bias)` with x and w starting `offset`
+/// elements into their buffers (a non-zero offset breaks 16-byte alignment, so the scalar
+/// path runs).
+#[derive(Clone, Copy, Debug)]
+struct Spec {
+    m: usize,
+    k: usize,
+    n: usize,
+    dtype: DType,
+    bias: bool,
+    prologue: Prologue,
+    offset: usize,
+}
+
+impl Spec {
+    /// Elements of one row of x.
+    fn xk(&self) -> usize {
+        match self.prologue {
+            Prologue::None => self.k,
+            Prologue::SiluMul => 2 * self.k,
+        }
+    }
+}
+
+/// A twin case: its shape and its inputs.
+struct MatmulCase {
+    s: Spec,
+    x: Vec<u8>,
+    w: Vec<u8>,
+    b: Vec<u8>,
+}
+
+/// The cases of [`specs`], generated one at a time so that only one case's inputs are in
+/// memory; consecutive specs of the same weight shape share the weights (most of the data).
+/// |x| in [1/8, 4), |w| in [1/32, 1): |y| of a few units at k = 4096, so the tolerance
+/// (relative to 1 + |y|) is neither loose nor dominated by the 1.
+fn cases(seed: u64) -> impl Iterator<Item = MatmulCase> {
+    let mut rng = Rng::new(seed);
+    let mut last: Option<(Spec, Vec<u8>)> = None;
+    specs().into_iter().map(move |s| {
+        let w = match &last {
+            Some((p, w)) if (p.dtype, p.k, p.n, p.offset) == (s.dtype, s.k, s.n, s.offset) => {
+                w.clone()
+            }
+            _ => pooled(&mut rng, s.dtype, s.offset + s.n * s.k, -5..=-1),
+        };
+        last = Some((s, w.clone()));
+        MatmulCase {
+            s,
+            x: pooled(&mut rng, DType::F32, s.offset + s.m * s.xk(), -3..=1),
+            w,
+            b: pooled(&mut rng, DType::F32, s.n, -2..=2),
+        }
+    })
+}
+
+/// `n` random elements of `dtype` drawn from a pool of 4096 values of [`Rng::value`], five
+/// 12-bit pool indices per generator step: ~30 times cheaper than a fresh value per element
+/// (the cases hold ~60 M elements in all), and still a different-looking value at every
+/// position, which is what catches a misplaced index.
+fn pooled(rng: &mut Rng, dtype: DType, n: usize, exps: std::ops::RangeInclusive<i32>) -> Vec<u8> {
+    const POOL: usize = 4096;
+    let size = dtype.size();
+    let pool = rng.bytes(dtype, POOL, exps);
+    let mut out = vec![0u8; n * size];
+    let mut r = 0u64;
+    for (e, dst) in out.chunks_exact_mut(size).enumerate() {
+        if e % 5 == 0 {
+            r = rng.next();
+        }
+        let i = (r as usize) % POOL;
+        r >>= 12;
+        match size {
+            2 => dst.copy_from_slice(&pool[i * 2..i * 2 + 2]),
+            _ => dst.copy_from_slice(&pool[i * 4..i * 4 + 4]),
+        }
+    }
+    out
+}
+
+impl TwinCase for MatmulCase {
+    fn name(&self) -> String {
+        format!(
+            "matmul {} m {} k {} n {}{}{}{}",
+            self.s.dtype,
+            self.s.m,
+            self.s.k,
+            self.s.n,
+            if self.s.bias { " bias" } else { "" },
+            if self.s.prologue == Prologue::SiluMul {
+                " silu_mul"
+            } else {
+                ""
+            },
+            if self.s.offset > 0 { " unaligned" } else { "" },
+        )
+    }
+
+    fn shape(&self) -> (DType, usize) {
+        (self.s.dtype, self.s.n * self.s.k)
+    }
+
+    fn bufs(&self) -> Vec<Buf> {
+        let mut b = vec![
+            Buf::input(DType::F32, self.x.clone()),
+            Buf::input(self.s.dtype, self.w.clone()),
+        ];
+        if self.s.bias {
+            b.push(Buf::input(DType::F32, self.b.clone()));
+        }
+        b.push(Buf::output(DType::F32, self.s.m * self.s.n));
+        b
+    }
+
+    fn op<'a, B>(&self, v: &'a [View<'a, B>]) -> Op<'a, B> {
+        let xk = self.s.xk();
+        Op::Matmul(Matmul {
+            x: v[0].slice(self.s.offset, self.s.m * xk),
+            w: v[1].slice(self.s.offset, self.s.n * self.s.k),
+            bias: self.s.bias.then(|| v[2]),
+            y: v[v.len() - 1],
+            m: self.s.m,
+            k: self.s.k,
+            n: self.s.n,
+            prologue: self.s.prologue,
+        })
+    }
+
+    /// Both sides sum k f32 products in different orders (CPU: 16 lanes of k/16 terms, then
+    /// a pairwise fold; GPU: fmaf chains of k/32 per lane, then a 5-level butterfly), each
+    /// with a random-walk error of a few ε·sqrt(k)·max|partial sum| ≈ 6e-8 · 64 · |y| ≈ 4e-6
+    /// · |y| at k = 4101; the GPU's __expf / __fdividef add a few 1e-7 relative per activated
+    /// element, again ~sqrt(k) · 1e-7 · |y|. 1e-4 of (1 + |y|) is ~20× that; a wrong element,
+    /// a missed row or a misplaced token is off by O(|y|).
+    fn tol(&self) -> Tol {
+        Tol::Rel(1e-4)
+    }
+}
+
+/// This family's twin cases (see `twin`): every (m, k, n) of m ∈ {1, 3, 9}, k ∈ {8, 1000,
+/// 4096, 4101}, n ∈ {1, 37, 512} for every weight dtype, bias and prologue rotating through
+/// the four combinations; unaligned views; and one decode-sized product whose grid fills
+/// every SM. ~200 M multiply-adds on the CPU twin in all.
 pub(crate) fn selftest(
-    _gpu: &CudaDevice,
-    _cpu: &CpuDevice,
-    _seed: u64,
+    gpu: &CudaDevice,
+    cpu: &CpuDevice,
+    seed: u64,
 ) -> Result<Vec<SelftestResult>> {
-    Ok(Vec::new())
+    cases(seed ^ 0x6765_6d76) // "gemv"
+        .map(|c| twin::run(gpu, cpu, &c))
+        .collect()
+}
+
+fn specs() -> Vec<Spec> {
+    let spec = |m, k, n, dtype, bias, silu: bool, offset| Spec {
+        m,
+        k,
+        n,
+        dtype,
+        bias,
+        prologue: if silu {
+            Prologue::SiluMul
+        } else {
+            Prologue::None
+        },
+        offset,
+    };
+    let mut v = Vec::new();
+    let mut i = 0usize;
+    for dtype in DType::ALL {
+        for k in [8usize, 1000, 4096, 4101] {
+            for n in [1usize, 37, 512] {
+                for m in [1usize, 3, 9] {
+                    let (bias, silu) =
+                        [(false, false), (true, false), (false, true), (true, true)][i % 4];
+                    v.push(spec(m, k, n, dtype, bias, silu, 0));
+                    i += 1;
+                }
+            }
+        }
+        // Views one element off 16-byte alignment (x by 4 bytes, w by one element), with a k
+        // that would otherwise take the 16-byte path.
+        for (m, silu) in [(1usize, false), (1, true), (3, true)] {
+            v.push(spec(m, 1024, 37, dtype, true, silu, 1));
+        }
+    }
+    // Decode-sized: 2048 row groups of 2, 4 waves per block, several blocks per SM; the
+    // prologue's 4-row groups; and a prefill of 2 full tiles and a partial one.
+    v.push(spec(1, 2048, 4096, DType::BF16, false, false, 0));
+    v.push(spec(1, 2048, 4096, DType::BF16, false, true, 0));
+    v.push(spec(19, 512, 1000, DType::F16, true, true, 0));
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::encode;
+
+    #[test]
+    fn names_follow_the_index() {
+        for (m, mp) in [(1usize, "gemv"), (2, "gemm")] {
+            for (pro, pp) in [(Prologue::None, ""), (Prologue::SiluMul, "_silu")] {
+                for d in DType::ALL {
+                    let i = kernel_index(m, pro, d).unwrap();
+                    assert_eq!(NAMES[i], format!("{mp}{pp}_{d}"));
+                }
+            }
+        }
+        assert!(kernel_index(1, Prologue::None, DType::U32).is_err());
+    }
+
+    /// The `#define`s of gemv.cu must equal the Rust mirrors, and the kernel macro must
+    /// instantiate every dtype in NAMES' order.
+    #[test]
+    fn cu_defines_match_rust_constants() {
+        let src = super::super::program::SOURCES[Module::Gemv as usize].1;
+        let def = |name: &str| -> String {
+            let line = src
+                .lines()
+                .find(|l| l.starts_with(&format!("#define {name} ")))
+                .unwrap_or_else(|| panic!("{name} not defined"));
+            line[format!("#define {name} ").len()..]
+                .split("//")
+                .next()
+                .unwrap()
+                .trim()
+                .to_string()
+        };
+        assert_eq!(def("TP_GEMV_ROWS"), ROWS.to_string());
+        assert_eq!(def("TP_GEMV_ROWS_SILU"), ROWS_SILU.to_string());
+        assert_eq!(def("TP_GEMV_TOKENS"), TOKENS.to_string());
+        let order: Vec<usize> = ["(f32, F32)", "(f16, GemvF16)", "(bf16, BF16)"]
+            .iter()
+            .map(|d| {
+                src.find(&format!("TP_GEMV_DTYPE{d}"))
+                    .expect("instantiated")
+            })
+            .collect();
+        assert!(order.windows(2).all(|p| p[0] < p[1]));
+    }
+
+    #[test]
+    fn plan_fills_the_sms_and_tiles_tokens() {
+        let sms = 132;
+        // [4096, 4096] decode: 2048 row groups, 4 waves per block = 512 blocks.
+        let p = plan(1, 4096, Prologue::None, DType::BF16, sms).unwrap();
+        assert_eq!(
+            p,
+            Plan {
+                index: 2,
+                grid: (512, 1, 1),
+                block: 128
+            }
+        );
+        // down_proj with the prologue: 1024 groups of 4; 256 blocks of 4 waves would be under
+        // 2 per SM, so 512 blocks of 2 waves.
+        let p = plan(1, 4096, Prologue::SiluMul, DType::BF16, sms).unwrap();
+        assert_eq!(
+            p,
+            Plan {
+                index: 5,
+                grid: (512, 1, 1),
+                block: 64
+            }
+        );
+        // Small n: one wave per block.
+        let p = plan(1, 37, Prologue::None, DType::F32, sms).unwrap();
+        assert_eq!(
+            p,
+            Plan {
+                index: 0,
+                grid: (19, 1, 1),
+                block: 32
+            }
+        );
+        // Prefill: 2-row groups whatever the prologue, tiles of 8 tokens.
+        let p = plan(9, 512, Prologue::SiluMul, DType::F16, sms).unwrap();
+        assert_eq!(
+            p,
+            Plan {
+                index: 10,
+                grid: (256, 2, 1),
+                block: 32
+            }
+        );
+        let p = plan(1 << 20, 4096, Prologue::None, DType::BF16, sms).unwrap();
+        assert_eq!(p.grid, (512, MAX_GRID_Y as u32, 1));
+    }
+
+    #[test]
+    fn overlap_is_byte_exact() {
+        assert!(!overlap(0, 16, 16, 16));
+        assert!(overlap(0, 17, 16, 16));
+        assert!(!overlap(0, 0, 0, 16));
+        assert!(overlap(20, 4, 0, 32));
+    }
+
+    #[test]
+    fn twin_cases_encode_their_lengths() {
+        let s = Spec {
+            m: 3,
+            k: 10,
+            n: 5,
+            dtype: DType::BF16,
+            bias: true,
+            prologue: Prologue::SiluMul,
+            offset: 1,
+        };
+        let mut rng = Rng::new(1);
+        let c = MatmulCase {
+            s,
+            x: pooled(&mut rng, DType::F32, 1 + 3 * s.xk(), 0..=0),
+            w: pooled(&mut rng, DType::BF16, 1 + 5 * 10, 0..=0),
+            b: pooled(&mut rng, DType::F32, 5, 0..=0),
+        };
+        let b = c.bufs();
+        assert_eq!(b.len(), 4);
+        assert_eq!(
+            (b[0].len, b[1].len, b[2].len, b[3].len),
+            (1 + 60, 1 + 50, 5, 15)
+        );
+        assert_eq!(encode(DType::F32, &[1.0]).len(), 4);
+    }
+
+    /// Every twin case builds a valid op and runs on the CPU twin (what the GPU selftest
+    /// will compare against), and the whole set stays cheap.
+    #[test]
+    fn every_twin_case_runs_on_the_cpu() {
+        use crate::cpu::CpuDevice;
+        use crate::Device;
+        let cpu = CpuDevice::new(0, 2, 10);
+        let t = std::time::Instant::now();
+        let mut count = 0;
+        for c in cases(7) {
+            count += 1;
+            let spec = c.bufs();
+            let bufs: Vec<_> = spec
+                .iter()
+                .map(|b| {
+                    let buf = cpu.alloc(b.len * b.dtype.size()).unwrap();
+                    if let Some(init) = &b.init {
+                        cpu.write(&buf, 0, init).unwrap();
+                    }
+                    buf
+                })
+                .collect();
+            let views: Vec<_> = bufs
+                .iter()
+                .zip(&spec)
+                .map(|(b, s)| View::new(b, 0, s.len, s.dtype))
+                .collect();
+            cpu.run(&c.op(&views))
+                .unwrap_or_else(|e| panic!("{}: {e}", c.name()));
+        }
+        println!("{count} cases in {:?}", t.elapsed());
+    }
+
+    /// The twin cases on the GPU where there is one (the same cases `tprun selftest` runs);
+    /// "skipped: no GPU" otherwise, a failure under TPRUN_REQUIRE_GPU=1.
+    #[test]
+    fn gpu_matmul_matches_cpu_twin() {
+        if crate::cuda::device_count() == 0 || !crate::cuda::nvrtc_present() {
+            assert!(
+                std::env::var("TPRUN_REQUIRE_GPU").as_deref() != Ok("1"),
+                "TPRUN_REQUIRE_GPU=1 but no usable CUDA GPU (driver + NVRTC)"
+            );
+            println!("skipped: no GPU");
+            return;
+        }
+        let gpu = CudaDevice::new(0, crate::cuda::IpcMode::Fd).unwrap();
+        let cpu = CpuDevice::new(0, 4, 0);
+        let t = std::time::Instant::now();
+        let res = selftest(&gpu, &cpu, 0x0074_7072_756e).unwrap();
+        let bad: Vec<_> = res.iter().filter(|r| !r.ok).collect();
+        println!(
+            "matmul twins: {} checks, {} failed, {:?}",
+            res.len(),
+            bad.len(),
+            t.elapsed()
+        );
+        for b in &bad {
+            println!("FAIL {}: {}", b.op, b.detail);
+        }
+        assert!(bad.is_empty());
+    }
 }

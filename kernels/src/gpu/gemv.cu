@@ -1,3 +1,286 @@
-// gemv.cu: (being written)
+// gemv.cu: Matmul, y[m, n] = f(x)[m, k] · w[n, k]ᵀ (+ bias[n]) (kernels/src/ops.rs `Matmul`;
+// CPU twin kernels/src/cpu/ops/matmul.rs and decode.rs). x, y, bias f32; w f32, f16 or bf16;
+// f32 accumulation. f is the identity (Prologue::None, x is [m, k]) or silu(gate) · up
+// (Prologue::SiluMul, x is [m, 2k], each row [gate | up]), computed as x is read.
+//
+// Owns: the matrix–vector product of decode (m = 1) and the token-tiled product of prefill.
+// Must not: write anything but y (no scratch, no second pass: one launch per matmul).
+//
+// Mapping. Each wave (TP_WAVE lanes) owns R consecutive output features ("a row group"; R is
+// TP_GEMV_ROWS, or TP_GEMV_ROWS_SILU with the prologue) and streams those R weight rows once,
+// lane l reading the 16-byte packs l, l + TP_WAVE, l + 2·TP_WAVE, ... of each row (8 bf16/f16
+// or 4 f32 per pack), so that one wave-wide load covers TP_WAVE · 16 contiguous bytes of a
+// row. U packs per row are loaded before any is used: U · R (TP_GEMV_UNROLL, or
+// TP_GEMV_UNROLL_SILU) independent 16-byte loads in flight per lane to cover HBM latency. Each loaded pack is multiplied by the
+// matching f32 elements of x (read through L1/L2 with plain loads: x is at most 2 · 14336 f32
+// = 112 KiB and every wave reads all of it) with fmaf into one accumulator per (row, token);
+// the lanes' partial sums are then added with a butterfly over the wave, and lane r·MT + t
+// writes y[t, row r] (+ bias). Grid: blockIdx.x · (blockDim.x / TP_WAVE) + wave indexes row
+// groups (grid-stride loop over the rest, if any), blockIdx.y indexes token tiles of MT.
+// The launcher (kernels/src/cuda/ops_gemv.rs) gives every row group its own wave, with 4
+// waves per block, or fewer while that leaves fewer than 2 blocks per SM.
+//
+// m = 1 (decode): MT = 1. Reads n·k weight elements once (the whole cost: [4096, 4096] bf16
+// is 32 MiB), x (k or 2k f32) once per wave from L1/L2, writes n f32. m > 1 (prefill): tiles
+// of MT = TP_GEMV_TOKENS tokens (grid.y); each weight pack, loaded once per tile, is used for
+// all MT tokens of the tile, so weights are read ceil(m / MT) times (mostly from L2 for the
+// later tiles). Correctness first there: the last tile's missing tokens repeat the tile's
+// last token (computed, never written) instead of branching.
+//
+// Prologue SiluMul: silu(g) · u = g / (1 + e^−g) · u per element, as the CPU twin
+// (elementwise.rs), with the fast __expf and __fdividef: both go to the special-function
+// unit, and at one exp and one reciprocal per x element the exact expf and IEEE division
+// would make the kernel issue-bound (H200 by the datasheet figures: 132 SMs · 16 SFU
+// ops/clock ≈ 4.2 T ops/s against 2.1 T bf16 weights/s at 4.2 TB/s); their relative error is
+// a few 1e-7 per element (CUDA programming guide, intrinsic functions), far inside the twin's
+// 1e-4. With R rows per wave the activation of each x element is computed once per R rows,
+// hence R = 4 there (and U · R = 16 loads in flight, as n = 4096 leaves only ~8 waves per SM).
+//
+// Alignment. The 16-byte path (p.vec, decided by the launcher) needs x and w 16-byte aligned
+// and k a whole number of packs (then every row of x, gate, up and w starts aligned too).
+// Otherwise every load is a scalar one (k = 4101, an odd view offset): slow but right.
+//
+// Expected bandwidth, m = 1, bf16 (f16 the same within noise, f32 higher): weight bytes over
+// kernel time, back-to-back launches in a CUDA graph rotating through 1 GiB of weights (so
+// nothing is served from the 60 MB L2), one H200, 2026-12-03; the copy ceiling is 4.25 TB/s
+// (read + written, 1 GiB device copy), and a read-only stream reaches ~4.5 TB/s:
+//
+//     [n, k]              µs      TB/s   % of 4.2 TB/s
+//     [6144, 4096]       13.9     3.63    86
+//     [4096, 4096]       10.1     3.32    79
+//     [28672, 4096]      54.5     4.31   103
+//     [4096, 14336]      28.0     4.19   100    (with the SiluMul prologue: 30.3–31.0 µs, 90–92 %)
+//     [128256, 4096]    234.7     4.48   107
+//
+// Why: nothing but the weights comes from HBM (x is L1/L2-resident, y is n·4 bytes); every
+// weight byte is read once with fully coalesced 16-byte loads; the smallest shape still has
+// 2048 waves (~16 per SM) with 8 loads of 16 bytes in flight per lane, ~64 KiB per SM against
+// the ~25 KiB per SM Little's law asks (4.2 TB/s · ~0.8 µs / 132 SMs); the arithmetic (one
+// fmaf and one conversion per weight element, x loads amortised over R rows) is well under
+// the issue rate. What is lost is a fixed ~2 µs per launch (a linear fit over n = 1024..8192
+// gives 2.2 µs + bytes / 4.24 TB/s; an empty kernel in a graph costs 0.57 µs): the unloaded
+// HBM latency at the start and the drain at the end of a kernel that fits in one wave of
+// blocks. It caps the two small shapes below 90 %; no in-kernel change moved it (R, U,
+// block size, load flavour, L2 prefetch under programmatic dependent launch: all within
+// ±3 %). Only overlapping a kernel's start with the previous kernel's end (fusing
+// neighbours) would recover it.
+
 #include "portable.h"
 #include "elem.h"
+
+// Tuned on one H200 (bf16, m = 1, the decode shapes of the table above). Without prologue,
+// R = 1, 2, 4 and U · R = 4, 8, 16 were all within ±3 % of each other: R = 2, U · R = 8 has
+// the fewest registers among the best. With the prologue ([4096, 14336]), R = 2 reached 69 %,
+// R = 8 63–76 % and R = 4 90–92 %, with U · R = 16 a point or two above U · R = 8. The Rust
+// side mirrors R and MT (kernels/src/cuda/ops_gemv.rs; a test compares them).
+#define TP_GEMV_ROWS 2           // R without prologue: output rows per wave
+#define TP_GEMV_ROWS_SILU 4      // R with the SiluMul prologue (amortises the exp)
+#define TP_GEMV_TOKENS 8         // MT: tokens per tile when m > 1
+#define TP_GEMV_UNROLL 8         // U · R: 16-byte weight loads in flight per lane (m = 1)
+#define TP_GEMV_UNROLL_SILU 16   // the same with the prologue
+
+// kernels/src/cuda/ops_gemv.rs `GemvParams`, passed by value.
+struct GemvParams {
+    u64 x;     // f32 [m, k], or [m, 2k] with the prologue
+    u64 w;     // [n, k], the kernel's dtype
+    u64 bias;  // f32 [n], or 0 for none
+    u64 y;     // f32 [m, n]
+    u32 m, k, n;
+    u32 vec;   // 1: x and w 16-byte aligned and k a multiple of the pack (see Alignment)
+};
+
+TP_DEV u32 gemv_min(u32 a, u32 b) { return a < b ? a : b; }
+
+// One 16-byte pack of weights: read once, so on CUDA it bypasses L1 (no_allocate) to leave L1
+// to x, which every wave re-reads. (On the H200, within 2 % of a plain load and of
+// no_allocate with the L2::256B prefetch hint, and never slower on these shapes.)
+TP_DEV V16 gemv_ld_w(const u8* p) {
+#if defined(TP_CUDA)
+    V16 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3])
+        : "l"(p));
+    return v;
+#else
+    return *(const V16*)p;
+#endif
+}
+
+// f16 weights widened by the hardware conversion alone. portable.h's tp_f16_to_f32 adds a
+// NaN test to keep the payload bit-exact, which made the f16 kernels issue-bound (69 % of
+// the bf16 speed on [4096, 4096], 85 % on [4096, 14336], H200); a product with a NaN weight
+// is NaN whatever the payload, and every other value (subnormals, infinities) converts
+// exactly either way.
+struct GemvF16Conv {
+    TP_DEV static float to(u16 h) {
+#if defined(TP_CUDA)
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+        return f;
+#else
+        return tp_f16_to_f32(h);
+#endif
+    }
+    TP_DEV static u16 from(float f) { return tp_f32_to_f16(f); }
+};
+typedef Half16<GemvF16Conv> GemvF16;
+
+// silu(g) · u, in the CPU twin's order: g / (1 + e^−g), then · u. For g below about −87 the
+// denominator is huge or infinite and __fdividef returns ±0, where the exact quotient is
+// below 1e-36: the same to any tolerance.
+TP_DEV float gemv_silu_mul(float g, float u) { return __fdividef(g, 1.0f + __expf(-g)) * u; }
+
+// Elements i .. i + V of an f32 row (i a multiple of V; 16-byte aligned on the vector path).
+template <int V>
+TP_DEV void gemv_ld_x(const float* row, u64 i, float* out) {
+#pragma unroll
+    for (int q = 0; q < V / 4; ++q) {
+        const V16 v = *(const V16*)(row + i + 4 * q);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) out[4 * q + j] = tp_f32_from_bits(v.w[j]);
+    }
+}
+
+// The input elements i .. i + V of one token: x itself, or silu(gate) · up.
+template <int V, bool SILU>
+TP_DEV void gemv_act(const float* row, u32 k, u64 i, float* a) {
+    gemv_ld_x<V>(row, i, a);
+    if (SILU) {
+        float u[V];
+        gemv_ld_x<V>(row + k, i, u);
+#pragma unroll
+        for (int e = 0; e < V; ++e) a[e] = gemv_silu_mul(a[e], u[e]);
+    }
+}
+
+// acc[r][t] += Σ_e f(x)[t][i + e] · w[r][i + e] over the one pack i of each of the R rows.
+template <class W, int R, int MT, bool SILU>
+TP_DEV void gemv_pack(const V16 (&wv)[R], const float* const (&xr)[MT], u32 k, u64 i,
+                      float (&acc)[R][MT]) {
+    float wf[R][W::V];
+#pragma unroll
+    for (int r = 0; r < R; ++r) W::unpack(wv[r], wf[r]);
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+        float a[W::V];
+        gemv_act<W::V, SILU>(xr[t], k, i, a);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+#pragma unroll
+            for (int e = 0; e < W::V; ++e) acc[r][t] = fmaf(a[e], wf[r][e], acc[r][t]);
+        }
+    }
+}
+
+// The 16-byte path: this lane's packs lane, lane + TP_WAVE, ... of k / V, U at a time while
+// all U exist for this lane, then one at a time.
+template <class W, int R, int MT, int U, bool SILU>
+TP_DEV void gemv_dot_vec(const u8* const (&wr)[R], const float* const (&xr)[MT], u32 k, u32 lane,
+                         float (&acc)[R][MT]) {
+    const u32 packs = k / W::V;
+    u32 c = lane;
+    for (; c + (U - 1) * TP_WAVE < packs; c += U * TP_WAVE) {
+        V16 wv[U][R];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) wv[u][r] = gemv_ld_w(wr[r] + (u64)(c + u * TP_WAVE) * 16);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            gemv_pack<W, R, MT, SILU>(wv[u], xr, k, (u64)(c + u * TP_WAVE) * W::V, acc);
+    }
+    for (; c < packs; c += TP_WAVE) {
+        V16 wv[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) wv[r] = gemv_ld_w(wr[r] + (u64)c * 16);
+        gemv_pack<W, R, MT, SILU>(wv, xr, k, (u64)c * W::V, acc);
+    }
+}
+
+// The scalar path: element j = lane, lane + TP_WAVE, ... of every row, any alignment.
+template <class W, int R, int MT, bool SILU>
+TP_DEV void gemv_dot_scalar(const u8* const (&wr)[R], const float* const (&xr)[MT], u32 k,
+                            u32 lane, float (&acc)[R][MT]) {
+    for (u32 j = lane; j < k; j += TP_WAVE) {
+        float wf[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) wf[r] = W::get(wr[r], j);
+#pragma unroll
+        for (int t = 0; t < MT; ++t) {
+            const float a = SILU ? gemv_silu_mul(xr[t][j], xr[t][k + j]) : xr[t][j];
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r][t] = fmaf(a, wf[r], acc[r][t]);
+        }
+    }
+}
+
+template <class W, int R, int MT, int U, bool SILU>
+TP_DEV void gemv(const GemvParams& p) {
+    static_assert(R * MT <= TP_WAVE, "one writing lane per (row, token)");
+    const u32 lane = threadIdx.x % TP_WAVE;
+    const u32 waves = blockDim.x / TP_WAVE;
+    const u32 groups = (p.n + R - 1) / R;
+    const u32 tiles = (p.m + MT - 1) / MT;
+    const u64 xk = SILU ? 2ull * p.k : (u64)p.k;
+    const float* x = (const float*)p.x;
+    const u8* w = (const u8*)p.w;
+    float* y = (float*)p.y;
+    const float* bias = (const float*)p.bias;
+    for (u32 tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
+        const u32 t0 = tile * MT;
+        // Tokens past m repeat the last one: computed like the others, never written.
+        const float* xr[MT];
+#pragma unroll
+        for (int t = 0; t < MT; ++t) xr[t] = x + (u64)gemv_min(t0 + t, p.m - 1) * xk;
+        // g is the same in every lane of a wave, so whole waves take the loops and shuffles.
+        for (u32 g = blockIdx.x * waves + threadIdx.x / TP_WAVE; g < groups;
+             g += gridDim.x * waves) {
+            // Rows past n repeat the last one, likewise.
+            const u8* wr[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                wr[r] = w + (u64)gemv_min(g * R + r, p.n - 1) * p.k * W::SIZE;
+            float acc[R][MT];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+#pragma unroll
+                for (int t = 0; t < MT; ++t) acc[r][t] = 0.0f;
+            }
+            if (p.vec) {
+                gemv_dot_vec<W, R, MT, U, SILU>(wr, xr, p.k, lane, acc);
+            } else {
+                gemv_dot_scalar<W, R, MT, SILU>(wr, xr, p.k, lane, acc);
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+#pragma unroll
+                for (int t = 0; t < MT; ++t) {
+                    float s = tp_wave_sum(acc[r][t]);
+                    const u32 row = g * R + r, tok = t0 + t;
+                    if (lane == (u32)(r * MT + t) && row < p.n && tok < p.m) {
+                        if (bias) s += bias[row];
+                        y[(u64)tok * p.n + row] = s;
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Kernel names: gemv_* (m = 1) and gemm_* (m > 1), plain and _silu, per weight dtype; the
+// order of kernels/src/cuda/ops_gemv.rs NAMES.
+#define TP_GEMV_KERNEL(name, W, R, MT, U, SILU)                                         \
+    extern "C" __global__ void TP_LAUNCH_BOUNDS(256, 1) name(const GemvParams p) {      \
+        gemv<W, R, MT, U, SILU>(p);                                                      \
+    }
+#define TP_GEMV_DTYPE(d, W)                                                               \
+    TP_GEMV_KERNEL(gemv_##d, W, TP_GEMV_ROWS, 1, TP_GEMV_UNROLL / TP_GEMV_ROWS, false)    \
+    TP_GEMV_KERNEL(gemv_silu_##d, W, TP_GEMV_ROWS_SILU, 1,                                \
+                   TP_GEMV_UNROLL_SILU / TP_GEMV_ROWS_SILU, true)                         \
+    TP_GEMV_KERNEL(gemm_##d, W, TP_GEMV_ROWS, TP_GEMV_TOKENS, 1, false)                   \
+    TP_GEMV_KERNEL(gemm_silu_##d, W, TP_GEMV_ROWS, TP_GEMV_TOKENS, 1, true)
+
+TP_GEMV_DTYPE(f32, F32)
+TP_GEMV_DTYPE(f16, GemvF16)
+TP_GEMV_DTYPE(bf16, BF16)
