@@ -125,7 +125,13 @@ pub fn run(opts: RankOptions) -> Result<(), RankError> {
             };
             // CUDA_VISIBLE_DEVICES (set by the coordinator) makes our device ordinal 0.
             match cuda::CudaDevice::new(0, mode) {
-                Ok(dev) => run_task(&ctx, &conn, Arc::new(dev), &spec, spin),
+                Ok(dev) => {
+                    // TPRUN_CUDA_PDL=1: decode kernels with programmatic dependent launch (an
+                    // A/B knob while it is measured; every rank inherits the coordinator's
+                    // environment).
+                    dev.set_pdl(std::env::var("TPRUN_CUDA_PDL").is_ok_and(|v| v == "1"));
+                    run_task(&ctx, &conn, Arc::new(dev), &spec, spin)
+                }
                 Err(e) => Err(e.into()),
             }
         }

@@ -47,46 +47,68 @@ sys.exit(0 if d.max() <= 1e-4 else 1)
 PY
 }
 
-if [ "$mode" = check ] || [ "$mode" = all ]; then
-    stories="$(realpath "${3:?stories260k folder}")"
+stories="$(realpath "${3:-$root/.devdata/stories260k}" 2>/dev/null)"
+m=/tmp/l8b
+
+sec_selftest() {
+    room 60 selftest || return 0
     echo "== selftest (1 rank; kernels + allreduce)"
     timeout "${SELFTEST_S:-600}" $bin selftest > "$out/selftest.txt" 2>&1 || fail selftest
     grep -E "FAIL|failed|passed|checks" "$out/selftest.txt" | tail -25
-    want=$(python3 -c "import json;r=json.load(open('$stories/reference.json'));print(','.join(map(str,r['generated_token_ids'])))" 2>/dev/null)
-    prompt=$(python3 -c "import json;r=json.load(open('$stories/reference.json'));print(r['prompt'])" 2>/dev/null)
-    echo "reference: prompt '$prompt', ${#want} chars of ids"
+}
+
+sec_stories() {
+    room 40 stories || return 0
+    want=$(python3 -c "import json;r=json.load(open('$stories/reference.json'));print(','.join(map(str,r['generated_token_ids'])))")
+    prompt=$(python3 -c "import json;r=json.load(open('$stories/reference.json'));print(r['prompt'])")
     n=$(python3 -c "print(len('$want'.split(',')))")
+    echo "== stories260k: reference.json '$prompt' + $n tokens"
     common=(decode --model "$stories" --prompt "$prompt" --temperature 0 --max-new-tokens "$n" --ignore-eos --json)
     $bin --backend cpu --ranks 1 "${common[@]}" --dump-logits "$out/cpu1.f32" > "$out/cpu1.json" 2>"$out/cpu1.err" || fail "cpu decode"
     tprun_devices 4
     for r in 1 4; do
         d=$(echo "$devices" | cut -d, -f1-$r)
-        echo "== stories260k cuda ranks $r (devices $d)"
+        echo "-- cuda ranks $r (devices $d)"
         $bin --backend cuda --ranks $r --devices "$d" "${common[@]}" > "$out/cuda$r.json" 2>"$out/cuda$r.err" || { fail "cuda$r decode"; tail -5 "$out/cuda$r.err"; }
         $bin --backend cuda --ranks $r --devices "$d" "${common[@]}" --dump-logits "$out/cuda$r.f32" > "$out/cuda$r-dump.json" 2>>"$out/cuda$r.err" || fail "cuda$r dump"
         python3 - "$out/cuda$r.json" "$want" <<'PY' || fail "cuda$r tokens"
 import json, sys
 j = json.load(open(sys.argv[1])); want = [int(x) for x in sys.argv[2].split(",")]
 got = j["token_ids"]
-print(f"tokens equal to reference.json: {got == want[:len(got)] and len(got) == len(want)} ({len(got)} tokens); "
+print(f"tokens equal to reference.json: {got == want} ({len(got)} tokens); "
       f"{j['decode_tokens_per_s']:.0f} tok/s, graph {j.get('graph')}, {j.get('allreduces_per_step')} allreduces/step")
 sys.exit(0 if got == want else 1)
 PY
         cmp_logits "$out/cuda$r.f32" "$out/cpu1.f32" || fail "cuda$r logits vs cpu"
     done
-    echo "== synth qwen3 small: TP=4 tokens = TP=1 tokens"
+}
+
+sec_q3() {
+    room 30 qwen3 || return 0
+    echo "== synth qwen3 tiny bf16: TP=4 tokens = TP=1 tokens"
     $bin synth --arch qwen3 --preset tiny --dtype bf16 --out /tmp/q3 > /dev/null 2>&1
+    tprun_devices 4
     for r in 1 4; do
         d=$(echo "$devices" | cut -d, -f1-$r)
         $bin --backend cuda --ranks $r --devices "$d" decode --model /tmp/q3 --temperature 0 --max-new-tokens 48 --ignore-eos --json > "$out/q3-$r.json" 2>"$out/q3-$r.err" || { fail "qwen3 ranks $r"; tail -3 "$out/q3-$r.err"; }
     done
     python3 -c "import json;a=json.load(open('$out/q3-1.json'))['token_ids'];b=json.load(open('$out/q3-4.json'))['token_ids'];print('qwen3 TP4 == TP1:',a==b, a[:12]);exit(0 if a==b else 1)" || fail "qwen3 tp4 != tp1"
+}
+
+sec_bad() {
+    room 20 "bad input" || return 0
     echo "== bad input"
     $bin --backend cuda --ranks 1 decode --model "$stories" --max-seq 2000000000 > /dev/null 2>"$out/bad1.err"; rc=$?
-    echo "max-seq 2e9: exit $rc: $(grep -m1 '^error' "$out/bad1.err")"; [ $rc -ne 0 ] && [ $rc -ne 101 ] || fail "huge max-seq"
+    echo "max-seq 2e9: exit $rc: $(grep -m1 '^error' "$out/bad1.err")"; { [ $rc -ne 0 ] && [ $rc -ne 101 ]; } || fail "huge max-seq"
     $bin --backend cuda --ranks 1 decode --model "$stories" --kv-dtype u32 > /dev/null 2>"$out/bad2.err"; rc=$?
     echo "kv-dtype u32: exit $rc: $(grep -m1 '^error' "$out/bad2.err")"; [ $rc -eq 2 ] || fail "kv dtype"
     sleep 1; echo "tprun processes on the GPU after bad input: $(gpu_apps)"; [ "$(gpu_apps)" -eq 0 ] || fail "left on GPU"
+}
+
+sec_kill() {
+    room 25 sigkill || return 0
+    [ -d /tmp/q3 ] || $bin synth --arch qwen3 --preset tiny --dtype bf16 --out /tmp/q3 > /dev/null 2>&1
+    tprun_devices 4
     echo "== SIGKILL rank 2 mid-decode (4 ranks)"
     log=$(mktemp)
     $bin --backend cuda --ranks 4 --devices "$devices" decode --model /tmp/q3 --max-new-tokens 100000000 --max-seq 2000000 --ignore-eos > /dev/null 2>"$log" &
@@ -97,22 +119,29 @@ PY
     ms=$(( (t1 - t0) / 1000000 )); sleep 1
     echo "exit $rc after $ms ms: $(grep -m1 '^error' "$log"); on the GPU after: $(gpu_apps)"
     { [ $rc -eq 3 ] && [ $ms -le 2000 ] && [ "$(gpu_apps)" -eq 0 ]; } || { fail "sigkill"; tail -5 "$log"; }
-    [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] && tprun_mps_restart
-    [ "$mode" = check ] && exit $status
-fi
+    tprun_mps_restart
+}
 
-if [ "$mode" = perf ] || [ "$mode" = all ]; then
-    m=/tmp/l8b
+sec_synth() {
     echo "== synth llama3-8b bf16"
     t0=$(date +%s); $bin synth --arch llama --preset llama3-8b --dtype bf16 --out $m > /dev/null 2>&1 || fail synth
     echo "synth took $(( $(date +%s) - t0 )) s; $(du -sh $m | cut -f1)"
-    # A 128-token prompt (byte-level tokenizer: 127 bytes + BOS, or 128 bytes).
+    # A 128-token prompt (byte-level tokenizer).
     python3 -c "print(('Once upon a time, in a land far away, there lived a small robot who loved to count the stars every night. ' * 3)[:127], end='')" > /tmp/prompt.txt
-    echo "== tprun decode TP=1: 256 tokens after 128"
-    for i in 1 2; do
-        $bin --backend cuda --ranks 1 decode --model $m --prompt-file /tmp/prompt.txt --temperature 0 --max-new-tokens 256 --ignore-eos --json > "$out/l8b-tp1-$i.json" 2>"$out/l8b-tp1.err" || { fail "tp1"; tail -5 "$out/l8b-tp1.err"; }
-        python3 -c "import json;j=json.load(open('$out/l8b-tp1-$i.json'));print(f\"tprun TP=1: {j['decode_tokens_per_s']:.1f} tok/s, p50 {j['token_latency_p50_ms']:.3f} ms, {j['weight_gb_per_s']:.0f} GB/s of weights, graph {j['graph']}, load {j['load_s']:.1f} s {j['load_gb_per_s']:.1f} GB/s, device {j['device_bytes_per_rank']/1e9:.1f} GB\")"
+}
+
+sec_tp1() {
+    room 60 tp1 || return 0
+    echo "== tprun decode TP=1: 256 tokens after a 128-token prompt"
+    for i in 1 pdl 2; do
+        pdl=0; [ "$i" = pdl ] && pdl=1
+        TPRUN_CUDA_PDL=$pdl $bin --backend cuda --ranks 1 decode --model $m --prompt-file /tmp/prompt.txt --temperature 0 --max-new-tokens 256 --ignore-eos --json > "$out/l8b-tp1-$i.json" 2>"$out/l8b-tp1.err" || { fail "tp1 $i"; tail -5 "$out/l8b-tp1.err"; continue; }
+        python3 -c "import json;j=json.load(open('$out/l8b-tp1-$i.json'));print(f\"tprun TP=1 (run $i): {j['decode_tokens_per_s']:.1f} tok/s, p50 {j['token_latency_p50_ms']:.3f} ms, {j['weight_gb_per_s']:.0f} GB/s of weights, graph {j['graph']}, prompt {j['prefill_tokens']} in {j['prefill_s']*1e3:.0f} ms, load {j['load_s']:.1f} s {j['load_gb_per_s']:.1f} GB/s, device {j['device_bytes_per_rank']/1e9:.1f} GB\")"
     done
+    python3 -c "import json;a=json.load(open('$out/l8b-tp1-1.json'))['token_ids'];b=json.load(open('$out/l8b-tp1-pdl.json'))['token_ids'];print('PDL tokens == plain tokens:',a==b)" || fail "pdl tokens"
+}
+
+sec_copy() {
     echo "== device copy bandwidth"
     python3 - <<'PY' | tee "$out/copy.txt"
 import torch
@@ -124,24 +153,38 @@ for _ in range(10): y.copy_(x)
 e.record(); torch.cuda.synchronize(); t = s.elapsed_time(e) / 10 / 1e3
 print(f"device copy 1 GiB: {2 * (1 << 30) / t / 1e12:.2f} TB/s (read + write); 15.0 GB/token at half of it: {(1 << 30) / t / 15.0e9:.0f} tok/s")
 PY
-    if room 200 "peer"; then
+}
+
+sec_peer() {
+    room 150 peer || return 0
     echo "== peer: transformers static cache + torch.compile"
-    PYTHONUNBUFFERED=1 timeout 300 python3 "$root/scripts/peer_hf_decode.py" --model $m --prompt-len 128 --new-tokens 256 --modes compile --repeats 1 --json > "$out/peer.json" 2>"$out/peer.err" || { fail peer; tail -5 "$out/peer.err"; }
+    PYTHONUNBUFFERED=1 timeout $(( DEADLINE - $(date +%s) - 20 )) python3 "$root/scripts/peer_hf_decode.py" --model $m --prompt-len 128 --new-tokens 256 --modes compile --repeats 1 --json > "$out/peer.json" 2>"$out/peer.err" || { fail peer; tail -5 "$out/peer.err"; }
     cat "$out/peer.json"
-    fi
-    room 150 "hf compare" || exit $status
-    echo "== tprun TP=1 dump 32 greedy steps"
+}
+
+sec_hf() {
+    room 120 "hf compare" || return 0
+    echo "== tprun TP=1 dump 32 greedy steps; transformers bf16 reference; comparison"
     $bin --backend cuda --ranks 1 decode --model $m --prompt-file /tmp/prompt.txt --temperature 0 --max-new-tokens 32 --ignore-eos --json --dump-logits /tmp/l8b.f32 > "$out/l8b-dump.json" 2>"$out/l8b-dump.err" || { fail dump; tail -5 "$out/l8b-dump.err"; }
-    python3 -c "import json;j=json.load(open('$out/l8b-dump.json'));open('/tmp/prompt_ids','w').write(','.join(map(str,j['prompt_ids'])));print('prompt tokens',len(j['prompt_ids']))"
-    echo "== transformers reference (bf16, sdpa) and comparison"
-    PYTHONUNBUFFERED=1 timeout 240 python3 "$root/scripts/hf_reference.py" --model $m --prompt-ids-file /tmp/prompt_ids --steps 32 --out /tmp/hf.npz > "$out/hf_ref.txt" 2>&1 || { fail hf_reference; tail -5 "$out/hf_ref.txt"; }
+    python3 -c "import json;j=json.load(open('$out/l8b-dump.json'));open('/tmp/prompt_ids','w').write(','.join(map(str,j['prompt_ids'])))"
+    PYTHONUNBUFFERED=1 timeout $(( DEADLINE - $(date +%s) - 10 )) python3 "$root/scripts/hf_reference.py" --model $m --prompt-ids-file /tmp/prompt_ids --steps 32 --out /tmp/hf.npz > "$out/hf_ref.txt" 2>&1 || { fail hf_reference; tail -5 "$out/hf_ref.txt"; return 0; }
     python3 "$root/scripts/compare_logits.py" --tprun-logits /tmp/l8b.f32 --vocab 128256 --tprun-json "$out/l8b-dump.json" --hf /tmp/hf.npz --steps 32 > "$out/compare.txt" 2>&1 || fail compare
-    tail -4 "$out/compare.txt"
-    room 60 "tp4" || exit $status
-    echo "== tprun TP=4 on one GPU (MPS)"
+    tail -6 "$out/compare.txt"
+}
+
+sec_tp4() {
+    room 60 tp4 || return 0
     tprun_devices 4
-    $bin --backend cuda --ranks 4 --devices "$devices" --timeout 120 decode --model $m --prompt-file /tmp/prompt.txt --temperature 0 --max-new-tokens 128 --ignore-eos --json > "$out/l8b-tp4.json" 2>"$out/l8b-tp4.err" || { fail "tp4"; tail -5 "$out/l8b-tp4.err"; }
+    echo "== tprun TP=4 on one GPU (MPS)"
+    $bin --backend cuda --ranks 4 --devices "$devices" --timeout 120 decode --model $m --prompt-file /tmp/prompt.txt --temperature 0 --max-new-tokens 128 --ignore-eos --json > "$out/l8b-tp4.json" 2>"$out/l8b-tp4.err" || { fail "tp4"; tail -5 "$out/l8b-tp4.err"; return 0; }
     python3 -c "import json;j=json.load(open('$out/l8b-tp4.json'));print(f\"tprun TP=4 (one GPU): {j['decode_tokens_per_s']:.1f} tok/s, graph {j['graph']}, {j['allreduces_per_step']} allreduces/step\")"
-    exit $status
-fi
-echo "usage: decode.sh check|perf|all BIN [STORIES_DIR]"; exit 2
+}
+
+case "$mode" in
+    check) sec_selftest; sec_stories; sec_q3; sec_bad; sec_kill ;;
+    perf) sec_synth; sec_tp1; sec_copy; sec_peer; sec_hf; sec_tp4 ;;
+    all) sec_stories; sec_synth; sec_tp1; sec_copy; sec_peer; sec_hf; sec_selftest; sec_q3; sec_bad; sec_kill; sec_tp4 ;;
+    *) echo "usage: decode.sh check|perf|all BIN [STORIES_DIR]"; exit 2 ;;
+esac
+echo "decode.sh $mode: $([ $status -eq 0 ] && echo PASS || echo FAIL)"
+exit $status

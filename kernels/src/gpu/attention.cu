@@ -404,7 +404,7 @@ TP_DEV void attn_split_kernel(const AttnParams& p, AttnSmem<G>& sm) {
 // owns output element j; the weights e^(m_i - m) of up to TP_ATTN_MERGE_THREADS splits at a
 // time are computed once into shared memory. Reads used * (d + 2) f32, writes d f32: small
 // next to the split kernel's K/V traffic (1 / (2 * 256 * size / 4) of it).
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_ATTN_MERGE_THREADS, 1) attn_merge(AttnParams p) {
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_ATTN_MERGE_THREADS, 1) attn_merge(AttnParams p) { tp_pdl_wait();
     __shared__ float wt[TP_ATTN_MERGE_THREADS];
     __shared__ float red[TP_ATTN_MERGE_THREADS / TP_WAVE];
     const u32 h = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
@@ -490,12 +490,12 @@ TP_DEV void attn_single_kernel(const AttnParams& p, AttnSmem<G>& sm, float (*run
 // Rust table (ops_attention.rs NAMES) can be checked against this file. Two blocks per SM:
 // registers capped at 128 per thread.
 #define TP_ATTN_SPLIT_KERNEL(NAME, D, G)                                                       \
-    extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_ATTN_THREADS, 2) NAME(AttnParams p) {       \
+    extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_ATTN_THREADS, 2) NAME(AttnParams p) { tp_pdl_wait();       \
         __shared__ AttnSmem<G> sm;                                                             \
         attn_split_kernel<D, G>(p, sm);                                                        \
     }
 #define TP_ATTN_SINGLE_KERNEL(NAME, D, G)                                                      \
-    extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_ATTN_THREADS, 2) NAME(AttnParams p) {       \
+    extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_ATTN_THREADS, 2) NAME(AttnParams p) { tp_pdl_wait();       \
         __shared__ AttnSmem<G> sm;                                                             \
         __shared__ float run_o[G][TP_ATTN_DMAX];                                               \
         __shared__ float run_m[G], run_l[G], fa[G], fb[G];                                     \

@@ -112,7 +112,7 @@ struct FillParams {
 // Grid: 1-D grid-stride over 16-byte packs (when dst is 16-byte aligned) then single
 // elements; TP_THREADS per block. Bytes: n·esize written, nothing read: ~90 % of the write
 // bandwidth for large n, launch-bound at decode sizes.
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_THREADS, 1) fill(FillParams p) {
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_THREADS, 1) fill(FillParams p) { tp_pdl_wait();
     const u64 step = (u64)gridDim.x * blockDim.x;
     const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u64 done = 0;  // elements stored by the 16-byte loop
@@ -168,9 +168,9 @@ TP_DEV void embedding(const EmbParams& p) {
     }
 }
 
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_THREADS, 1) embedding_f32(EmbParams p) { embedding<F32>(p); }
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_THREADS, 1) embedding_f16(EmbParams p) { embedding<F16>(p); }
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_THREADS, 1) embedding_bf16(EmbParams p) { embedding<BF16>(p); }
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_THREADS, 1) embedding_f32(EmbParams p) { tp_pdl_wait(); embedding<F32>(p); }
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_THREADS, 1) embedding_f16(EmbParams p) { tp_pdl_wait(); embedding<F16>(p); }
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_THREADS, 1) embedding_bf16(EmbParams p) { tp_pdl_wait(); embedding<BF16>(p); }
 
 // ---- RmsNorm and AddRmsNorm ---------------------------------------------------------------
 
@@ -263,12 +263,12 @@ TP_DEV void norm_rows(const NormParams& p) {
     }
 }
 
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) rms_norm_f32(NormParams p) { norm_rows<F32, false>(p); }
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) rms_norm_f16(NormParams p) { norm_rows<F16, false>(p); }
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) rms_norm_bf16(NormParams p) { norm_rows<BF16, false>(p); }
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) add_rms_norm_f32(NormParams p) { norm_rows<F32, true>(p); }
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) add_rms_norm_f16(NormParams p) { norm_rows<F16, true>(p); }
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) add_rms_norm_bf16(NormParams p) { norm_rows<BF16, true>(p); }
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) rms_norm_f32(NormParams p) { tp_pdl_wait(); norm_rows<F32, false>(p); }
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) rms_norm_f16(NormParams p) { tp_pdl_wait(); norm_rows<F16, false>(p); }
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) rms_norm_bf16(NormParams p) { tp_pdl_wait(); norm_rows<BF16, false>(p); }
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) add_rms_norm_f32(NormParams p) { tp_pdl_wait(); norm_rows<F32, true>(p); }
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) add_rms_norm_f16(NormParams p) { tp_pdl_wait(); norm_rows<F16, true>(p); }
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) add_rms_norm_bf16(NormParams p) { tp_pdl_wait(); norm_rows<BF16, true>(p); }
 
 // ---- RoPE -------------------------------------------------------------------------------
 
@@ -299,7 +299,7 @@ struct RopeParams {
 // i + half), a multiple of 64 threads ≤ TP_PAIR_THREADS, stride loop for longer heads. Each
 // element is read and written once by one thread. Bytes: 2·rows·heads·head_dim·4 (+ the small
 // inv_freq and pos, L2 hits after the first block); launch-bound at decode.
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_PAIR_THREADS, 1) rope(RopeParams p) {
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_PAIR_THREADS, 1) rope(RopeParams p) { tp_pdl_wait();
     const u32 half = p.half;
     const float* inv_freq = (const float*)p.inv_freq;
     for (u64 r = blockIdx.y; r < p.rows; r += gridDim.y) {
@@ -407,9 +407,9 @@ TP_DEV void qkv_rope(const QkvParams& p) {
     }
 }
 
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_PAIR_THREADS, 1) qkv_rope_f32(QkvParams p) { qkv_rope<F32>(p); }
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_PAIR_THREADS, 1) qkv_rope_f16(QkvParams p) { qkv_rope<F16>(p); }
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_PAIR_THREADS, 1) qkv_rope_bf16(QkvParams p) { qkv_rope<BF16>(p); }
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_PAIR_THREADS, 1) qkv_rope_f32(QkvParams p) { tp_pdl_wait(); qkv_rope<F32>(p); }
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_PAIR_THREADS, 1) qkv_rope_f16(QkvParams p) { tp_pdl_wait(); qkv_rope<F16>(p); }
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_PAIR_THREADS, 1) qkv_rope_bf16(QkvParams p) { tp_pdl_wait(); qkv_rope<BF16>(p); }
 
 // ---- SiluMul and Add --------------------------------------------------------------------
 
@@ -450,5 +450,5 @@ TP_DEV void binary(const BinParams& p) {
     }
 }
 
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_THREADS, 1) silu_mul(BinParams p) { binary<SiluMulOp>(p); }
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_THREADS, 1) add(BinParams p) { binary<AddOp>(p); }
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_THREADS, 1) silu_mul(BinParams p) { tp_pdl_wait(); binary<SiluMulOp>(p); }
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_THREADS, 1) add(BinParams p) { tp_pdl_wait(); binary<AddOp>(p); }

@@ -271,7 +271,7 @@ TP_DEV void gemv(const GemvParams& p) {
 // Kernel names: gemv_* (m = 1) and gemm_* (m > 1), plain and _silu, per weight dtype; the
 // order of kernels/src/cuda/ops_gemv.rs NAMES.
 #define TP_GEMV_KERNEL(name, W, R, MT, U, SILU)                                         \
-    extern "C" __global__ void TP_LAUNCH_BOUNDS(256, 1) name(const GemvParams p) {      \
+    extern "C" __global__ void TP_LAUNCH_BOUNDS(256, 1) name(const GemvParams p) { tp_pdl_wait();      \
         gemv<W, R, MT, U, SILU>(p);                                                      \
     }
 #define TP_GEMV_DTYPE(d, W)                                                               \

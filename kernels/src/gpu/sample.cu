@@ -179,7 +179,7 @@ TP_DEV void topk_write(const TopkParams& p, u32 r, u64 key) {
 // argmax passes, each for the best key below the previous pick, do it instead (always
 // right, 1 + k reads). When fewer than k threads saw a real logit, tau is 0 and every
 // non-NaN logit is gathered.
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_TOPK_THREADS, 1) shard_topk(TopkParams p) {
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_TOPK_THREADS, 1) shard_topk(TopkParams p) { tp_pdl_wait();
     __shared__ u64 buf[TP_TOPK_CAP];
     __shared__ u64 red[TP_TOPK_THREADS / 32];  // per wavefront; 32 is the narrowest wave
     __shared__ u32 count;
@@ -271,7 +271,7 @@ TP_DEV u32 sample_id(float f) {
 // The block builds the keys of the valid pairs (logit > -inf: padding and NaN dropped, as
 // `pick` filters), sorts them best first (bitonic, in shared memory), and thread 0 runs the
 // sequential rest of `pick` on the best TP_TOPK_MAX, then advances the state.
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_TOPK_THREADS, 1) sample(SampleParams p) {
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_TOPK_THREADS, 1) sample(SampleParams p) { tp_pdl_wait();
     __shared__ u64 keys[TP_SAMPLE_MAX_CANDS];
     __shared__ float w[TP_TOPK_MAX];
     const float* cands = (const float*)p.cands;
@@ -340,7 +340,7 @@ struct UniformProbeParams {
     u64 out;        // [n] f32
     u64 n;
 };
-extern "C" __global__ void TP_LAUNCH_BOUNDS(256, 1) sample_uniform_probe(UniformProbeParams p) {
+extern "C" __global__ void TP_LAUNCH_BOUNDS(256, 1) sample_uniform_probe(UniformProbeParams p) { tp_pdl_wait();
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < p.n; i += (u64)gridDim.x * blockDim.x) {
         ((float*)p.out)[i] = sample_uniform(((const u64*)p.seeds)[i], ((const u32*)p.positions)[i]);
     }
