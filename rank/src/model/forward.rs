@@ -108,8 +108,8 @@ struct Scratch<B> {
     hb: B,
     /// This rank's vocab shard of the last position's logits [V].
     logits: B,
-    /// Gathered sampling candidates [world · 2·TOPK] f32: (logit, id) pairs, this rank's at
-    /// `rank · 2·TOPK`.
+    /// Gathered sampling candidates [world · 2·k] f32 (k ≤ TOPK): (logit, id) pairs, this
+    /// rank's at `rank · 2·k`.
     cands: B,
     /// Split-sequence attention scratch for one query (ops::Attention::workspace_len).
     attn_ws: B,
@@ -536,21 +536,21 @@ impl<D: Device> Model<D> {
         let dev = &*self.dev;
         let (world, rank) = (self.plan.world, self.plan.rank);
         let k = topk_for(p);
-        let seg = 2 * TOPK;
-        let cands = if world > 1 {
+        // Every rank's k pairs back to back: rank r's at 2k·r. Only written pairs are
+        // gathered (a zero-filled pair would read as a candidate of logit 0 for id 0).
+        let seg = 2 * k;
+        let cands = f32v(&self.s.cands, world * seg);
+        if world > 1 {
             dev.run(&Op::Fill(ops::Fill {
-                dst: f32v(&self.s.cands, world * seg),
+                dst: cands,
                 value: 0.0,
             }))?;
-            f32v(&self.s.cands, world * seg)
-        } else {
-            f32v(&self.s.cands, 2 * k)
-        };
+        }
         dev.run(&Op::ShardTopK(ops::ShardTopK {
             logits: f32v(&self.s.logits, self.plan.vocab.len()),
             vocab_start: self.plan.vocab.start,
             k,
-            out: View::new(&self.s.cands, rank * seg * 4, 2 * k, DType::F32),
+            out: View::new(&self.s.cands, rank * seg * 4, seg, DType::F32),
         }))?;
         if world > 1 {
             comm.allreduce(cands)?;
