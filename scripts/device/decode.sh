@@ -177,7 +177,9 @@ sec_tp4() {
     tprun_devices 4
     echo "== tprun TP=4 on one GPU (MPS)"
     $bin --backend cuda --ranks 4 --devices "$devices" --timeout 120 decode --model $m --prompt-file /tmp/prompt.txt --temperature 0 --max-new-tokens 128 --ignore-eos --json > "$out/l8b-tp4.json" 2>"$out/l8b-tp4.err" || { fail "tp4"; tail -5 "$out/l8b-tp4.err"; return 0; }
-    python3 -c "import json;j=json.load(open('$out/l8b-tp4.json'));print(f\"tprun TP=4 (one GPU): {j['decode_tokens_per_s']:.1f} tok/s, graph {j['graph']}, {j['allreduces_per_step']} allreduces/step\")"
+    python3 -c "import json;j=json.load(open('$out/l8b-tp4.json'));print(f\"tprun TP=4 (one GPU): {j['decode_tokens_per_s']:.1f} tok/s, p50 {j['token_latency_p50_ms']:.3f} ms, graph {j['graph']}, {j['allreduces_per_step']} allreduces/step\")"
+    TPRUN_BENCH_NO_ALLREDUCE=1 $bin --backend cuda --ranks 4 --devices "$devices" --timeout 120 decode --model $m --prompt-file /tmp/prompt.txt --temperature 0 --max-new-tokens 128 --ignore-eos --json > "$out/l8b-tp4-noar.json" 2>>"$out/l8b-tp4.err" || { fail "tp4 no-ar"; return 0; }
+    python3 -c "import json;a=json.load(open('$out/l8b-tp4.json'));b=json.load(open('$out/l8b-tp4-noar.json'));print(f\"TP=4 without allreduces (timing only): {b['decode_tokens_per_s']:.1f} tok/s, p50 {b['token_latency_p50_ms']:.3f} ms: allreduces cost {a['token_latency_p50_ms']-b['token_latency_p50_ms']:.3f} ms per token\")"
 }
 
 case "$mode" in

@@ -176,6 +176,8 @@ pub struct Model<D: Device> {
     step_bytes: u64,
     load_bytes: u64,
     state_bytes: u64,
+    /// Measurement only ([`Model::set_no_allreduce`]).
+    no_allreduce: bool,
     /// The captured single-token step, and the allreduces it holds.
     graph: Option<(D::Graph, u32, SampleParams)>,
 }
@@ -275,6 +277,14 @@ impl<D: Device> Model<D> {
         Ok(kv + scratch)
     }
 
+    /// Measurement only: run every step without its allreduces (each rank's partial sums stay
+    /// unsummed, so the tokens are wrong at world > 1), to time what the allreduces cost per
+    /// token against a normal run.
+    pub fn set_no_allreduce(&mut self, on: bool) {
+        self.no_allreduce = on;
+        self.graph = None;
+    }
+
     /// Weight bytes moved to the device at load.
     pub fn load_bytes(&self) -> u64 {
         self.load_bytes
@@ -349,6 +359,7 @@ impl<D: Device> Model<D> {
         let (_, step_bytes) = weights::shard_bytes(&cfg, &plan, wsize);
         let state_bytes = Self::state_bytes(&cfg, &plan, opts)?;
         Ok(Model {
+            no_allreduce: false,
             load_bytes: 0,
             state_bytes,
             logits: vec![0.0; cfg.vocab],
@@ -552,7 +563,7 @@ impl<D: Device> Model<D> {
             k,
             out: View::new(&self.s.cands, rank * seg * 4, seg, DType::F32),
         }))?;
-        if world > 1 {
+        if world > 1 && !self.no_allreduce {
             comm.allreduce(cands)?;
         }
         dev.run(&Op::Sample(ops::Sample {
@@ -724,6 +735,7 @@ impl<D: Device> Model<D> {
             hidden: h,
             out: x,
         }))?;
+        let world = if self.no_allreduce { 1 } else { world };
         if world > 1 {
             comm.allreduce(x)?;
         }
