@@ -164,10 +164,10 @@ sec_peer() {
 
 sec_hf() {
     room 120 "hf compare" || return 0
-    echo "== tprun TP=1 dump 32 greedy steps; transformers bf16 reference; comparison"
+    echo "== tprun TP=1 dump 32 greedy steps; transformers f32 reference (bf16 weights upcast); comparison"
     $bin --backend cuda --ranks 1 decode --model $m --prompt-file /tmp/prompt.txt --temperature 0 --max-new-tokens 32 --ignore-eos --json --dump-logits /tmp/l8b.f32 > "$out/l8b-dump.json" 2>"$out/l8b-dump.err" || { fail dump; tail -5 "$out/l8b-dump.err"; }
     python3 -c "import json;j=json.load(open('$out/l8b-dump.json'));open('/tmp/prompt_ids','w').write(','.join(map(str,j['prompt_ids'])))"
-    PYTHONUNBUFFERED=1 timeout $(( DEADLINE - $(date +%s) - 10 )) python3 "$root/scripts/hf_reference.py" --model $m --prompt-ids-file /tmp/prompt_ids --steps 32 --out /tmp/hf.npz > "$out/hf_ref.txt" 2>&1 || { fail hf_reference; tail -5 "$out/hf_ref.txt"; return 0; }
+    PYTHONUNBUFFERED=1 timeout $(( DEADLINE - $(date +%s) - 10 )) python3 "$root/scripts/hf_reference.py" --model $m --prompt-ids-file /tmp/prompt_ids --steps 32 --dtype f32 --out /tmp/hf.npz > "$out/hf_ref.txt" 2>&1 || { fail hf_reference; tail -5 "$out/hf_ref.txt"; return 0; }
     python3 "$root/scripts/compare_logits.py" --tprun-logits /tmp/l8b.f32 --vocab 128256 --tprun-json "$out/l8b-dump.json" --hf /tmp/hf.npz --steps 32 > "$out/compare.txt" 2>&1 || fail compare
     tail -6 "$out/compare.txt"
 }
