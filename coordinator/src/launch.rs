@@ -22,6 +22,7 @@ use tprun_ipc::control::describe_abort;
 use tprun_ipc::wire::{Listener, Msg};
 use tprun_ipc::{AbortReason, Conn, ControlBlock};
 use tprun_rank::job::{self, JobSpec, Report};
+use tprun_rank::Phase;
 
 /// How long a connecting client has to say Hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
@@ -195,7 +196,9 @@ pub fn run(launch: Launch, observer: &mut dyn Observer) -> Result<(), JobError> 
     let listener =
         Listener::bind(&sock_path).map_err(|e| anyhow::anyhow!("rendezvous socket: {e}"))?;
     let control = Arc::new(
-        ControlBlock::create(world, &token).map_err(|e| anyhow::anyhow!("control block: {e}"))?,
+        ControlBlock::create(world, &token)
+            .map_err(|e| anyhow::anyhow!("control block: {e}"))?
+            .with_phase_names(&Phase::NAMES),
     );
     let job_bytes = job::encode(&launch.spec);
 
@@ -394,7 +397,7 @@ impl Supervisor<'_> {
         if (status.success() && s.done) || self.error.is_some() || s.failed.is_some() {
             return;
         }
-        let phase = self.control.phase(r).name();
+        let phase = self.control.phase_name(r);
         let how = match (status.code(), status.signal()) {
             (_, Some(sig)) => format!(
                 "killed by {}",
@@ -527,7 +530,7 @@ impl Supervisor<'_> {
         } else if self.last_progress.elapsed() > timeout + Duration::from_secs(1) {
             let live: Vec<String> = (0..self.launch.world)
                 .filter(|&r| !self.ranks[r].done && self.ranks[r].child_alive)
-                .map(|r| format!("rank {r} in {}", self.control.phase(r).name()))
+                .map(|r| format!("rank {r} in {}", self.control.phase_name(r)))
                 .collect();
             let m = format!(
                 "no progress for {:.0?}: {}",

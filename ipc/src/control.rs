@@ -44,7 +44,8 @@ struct Header {
 #[repr(C)]
 struct RankSlot {
     pid: AtomicU32,
-    /// The rank's current [`Phase`], for error messages.
+    /// The rank's current phase, for error messages: a code whose meaning belongs to the
+    /// ranks (an index into [`ControlBlock::with_phase_names`]); 0 in a fresh slot.
     phase: AtomicU32,
     /// Bumped by the rank whenever it makes progress; the coordinator's stall detector reads it.
     heartbeat: AtomicU64,
@@ -81,48 +82,6 @@ const _: () = {
     assert!(size_of::<Shared>() < 1 << 20);
 };
 
-/// What a rank is doing, recorded in its slot for error messages.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u32)]
-pub enum Phase {
-    Starting = 0,
-    Rendezvous = 1,
-    Setup = 2,
-    Allreduce = 3,
-    Loading = 4,
-    Prefill = 5,
-    Decode = 6,
-    Finishing = 7,
-}
-
-impl Phase {
-    pub fn from_u32(v: u32) -> Phase {
-        match v {
-            1 => Phase::Rendezvous,
-            2 => Phase::Setup,
-            3 => Phase::Allreduce,
-            4 => Phase::Loading,
-            5 => Phase::Prefill,
-            6 => Phase::Decode,
-            7 => Phase::Finishing,
-            _ => Phase::Starting,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Phase::Starting => "start-up",
-            Phase::Rendezvous => "rendezvous",
-            Phase::Setup => "setup",
-            Phase::Allreduce => "allreduce",
-            Phase::Loading => "loading",
-            Phase::Prefill => "prefill",
-            Phase::Decode => "decode",
-            Phase::Finishing => "finishing",
-        }
-    }
-}
-
 /// Why a job was aborted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u32)]
@@ -158,6 +117,9 @@ pub struct ControlBlock {
     map: MmapRaw,
     fd: OwnedFd,
     world: usize,
+    /// Names of the phase codes, for messages; given by whoever knows the phases (the rank
+    /// crate), since this crate knows nothing of what ranks do.
+    phase_names: &'static [&'static str],
 }
 
 // SAFETY: the mapping contains only atomics, accessed through `&Shared`.
@@ -220,7 +182,19 @@ impl ControlBlock {
             .len(size_of::<Shared>())
             .map_raw(&fd)
             .map_err(|e| IpcError::os("mapping the control block", e))?;
-        Ok(ControlBlock { map, fd, world })
+        Ok(ControlBlock {
+            map,
+            fd,
+            world,
+            phase_names: &[],
+        })
+    }
+
+    /// Names phase code `i` `names[i]` in this process's messages (barrier timeouts,
+    /// [`ControlBlock::phase_name`]). Without names, a phase reads as "phase <code>".
+    pub fn with_phase_names(mut self, names: &'static [&'static str]) -> Self {
+        self.phase_names = names;
+        self
     }
 
     fn shared(&self) -> &Shared {
@@ -284,14 +258,25 @@ impl ControlBlock {
         self.slot(rank).pid.store(pid, Ordering::Relaxed);
     }
 
-    pub fn set_phase(&self, rank: usize, phase: Phase) {
+    /// Records that `rank` entered the phase with code `phase`.
+    pub fn set_phase(&self, rank: usize, phase: u32) {
         // Relaxed: diagnostic; read by the coordinator only to name the phase in an error.
-        self.slot(rank).phase.store(phase as u32, Ordering::Relaxed);
+        self.slot(rank).phase.store(phase, Ordering::Relaxed);
         self.beat(rank);
     }
 
-    pub fn phase(&self, rank: usize) -> Phase {
-        Phase::from_u32(self.slot(rank).phase.load(Ordering::Relaxed))
+    /// The code of `rank`'s current phase (0 until it sets one).
+    pub fn phase(&self, rank: usize) -> u32 {
+        self.slot(rank).phase.load(Ordering::Relaxed)
+    }
+
+    /// The name of `rank`'s current phase (see [`ControlBlock::with_phase_names`]).
+    pub fn phase_name(&self, rank: usize) -> String {
+        let code = self.phase(rank);
+        match self.phase_names.get(code as usize) {
+            Some(name) => (*name).to_string(),
+            None => format!("phase {code}"),
+        }
     }
 
     /// Records progress (the coordinator's stall detector watches this).
@@ -361,7 +346,7 @@ impl ControlBlock {
                     .collect();
                 return Err(IpcError::BarrierTimeout {
                     waited: timeout,
-                    phase: self.phase(rank).name(),
+                    phase: self.phase_name(rank),
                     missing,
                 });
             }
@@ -467,11 +452,21 @@ mod tests {
     #[test]
     fn barrier_timeout_names_missing_ranks_and_abort_wakes() {
         let token = [1u8; 16];
-        let cb = ControlBlock::create(3, &token).unwrap();
+        let cb = ControlBlock::create(3, &token)
+            .unwrap()
+            .with_phase_names(&["start-up", "work"]);
+        cb.set_phase(0, 1);
         match cb.barrier(0, Duration::from_millis(50), 10) {
-            Err(IpcError::BarrierTimeout { missing, .. }) => assert_eq!(missing, vec![1, 2]),
+            Err(IpcError::BarrierTimeout { missing, phase, .. }) => {
+                assert_eq!(missing, vec![1, 2]);
+                assert_eq!(phase, "work");
+            }
             other => panic!("{other:?}"),
         }
+        // Codes without a name still read as something.
+        cb.set_phase(1, 7);
+        assert_eq!(cb.phase_name(1), "phase 7");
+        assert_eq!(cb.phase_name(2), "start-up");
         let cb2 = Arc::new(open_clone(&cb, &token));
         let c = cb2.clone();
         let h = std::thread::spawn(move || c.barrier(1, Duration::from_secs(30), 10));

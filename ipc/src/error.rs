@@ -19,7 +19,7 @@ pub enum IpcError {
     #[error("timed out after {waited:?} at a barrier in phase {phase}; rank(s) {missing:?} did not arrive")]
     BarrierTimeout {
         waited: Duration,
-        phase: &'static str,
+        phase: String,
         missing: Vec<usize>,
     },
     #[error("the job was aborted ({0})")]

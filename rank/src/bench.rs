@@ -1,7 +1,7 @@
 //! `bench allreduce` on one rank: runs the spec's rows in order and reports each row's
 //! per-iteration times and, with `check`, the number of wrong elements.
 
-use tprun_ipc::{Conn, Msg, Phase};
+use tprun_ipc::{Conn, Msg};
 use tprun_kernels::dtype::Elem;
 use tprun_kernels::with_dtype;
 use tprun_kernels::{DType, Device, View};
@@ -9,7 +9,7 @@ use tprun_kernels::{DType, Device, View};
 use crate::comm::Communicator;
 use crate::job::{self, BenchSpec, Report};
 use crate::run::RankCtx;
-use crate::RankError;
+use crate::{Phase, RankError};
 
 /// The input of rank `r` at iteration `it`, element `i`: small multiples of 1/2 in [-4, 4],
 /// exact in every dtype, and different for every iteration so that a stale result is caught.

@@ -6,14 +6,14 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tprun_ipc::{Conn, Msg, Phase};
+use tprun_ipc::{Conn, Msg};
 use tprun_kernels::Device;
 
 use crate::comm::Communicator;
 use crate::job::{self, Backend, DecodeSpec, Report};
 use crate::model::{generate, GenerateOptions, LoadOptions, Model, ModelConfig, SamplerConfig};
 use crate::run::RankCtx;
-use crate::RankError;
+use crate::{Phase, RankError};
 
 #[allow(clippy::too_many_arguments)]
 pub fn run<D: Device>(

@@ -1,5 +1,5 @@
 //! Fault injection for tests: `TPRUN_FAULT=<kind>:<rank>:<phase>` makes rank `<rank>` misbehave
-//! when it enters `<phase>` (a `Phase` name: setup, allreduce, loading, prefill, decode, …):
+//! when it enters `<phase>` (a [`Phase`] name: setup, allreduce, loading, prefill, decode, …):
 //!
 //! - `stall`: sleep forever (the others time out at their next wait: exit 4);
 //! - `exit`: exit with status 17 without a word to the coordinator (exit 3);
@@ -8,7 +8,7 @@
 //!
 //! Unset in normal use; documented in README.md.
 
-use tprun_ipc::Phase;
+use crate::Phase;
 
 pub fn at(rank: usize, phase: Phase) {
     let Ok(spec) = std::env::var("TPRUN_FAULT") else {

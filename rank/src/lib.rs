@@ -14,7 +14,9 @@ pub mod error;
 pub mod fault;
 pub mod job;
 pub mod model;
+pub mod phase;
 pub mod run;
 
 pub use collective::Collectives;
 pub use error::RankError;
+pub use phase::Phase;

@@ -5,14 +5,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tprun_ipc::{Conn, ControlBlock, Msg, Phase};
+use tprun_ipc::{Conn, ControlBlock, Msg};
 use tprun_kernels::cpu::CpuDevice;
 use tprun_kernels::cuda;
 use tprun_kernels::Device;
 
 use crate::comm::Communicator;
 use crate::job::{self, Backend, IpcMode, JobSpec, Task};
-use crate::RankError;
+use crate::{Phase, RankError};
 
 /// How long a rank waits for the coordinator's answer to `Hello`.
 const JOIN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -43,7 +43,7 @@ pub struct RankCtx {
 impl RankCtx {
     /// Records that this rank enters `phase` (and triggers a test fault planned for it).
     pub fn enter(&self, phase: Phase) {
-        self.control.set_phase(self.rank, phase);
+        self.control.set_phase(self.rank, phase.code());
         crate::fault::at(self.rank, phase);
     }
 
@@ -94,7 +94,8 @@ pub fn run(opts: RankOptions) -> Result<(), RankError> {
     let cb_fd = fds
         .pop()
         .ok_or_else(|| RankError::Other("Welcome came without the control block".into()))?;
-    let control = Arc::new(ControlBlock::open(cb_fd, world, &opts.token)?);
+    let control =
+        Arc::new(ControlBlock::open(cb_fd, world, &opts.token)?.with_phase_names(&Phase::NAMES));
     control.set_pid(opts.rank, std::process::id());
     let ctx = RankCtx {
         rank: opts.rank,
@@ -141,13 +142,13 @@ pub fn run(opts: RankOptions) -> Result<(), RankError> {
     };
     match &result {
         Ok(()) => {
-            ctx.control.set_phase(ctx.rank, Phase::Finishing);
+            ctx.control.set_phase(ctx.rank, Phase::Finishing.code());
             conn.send(&Msg::Done, &[])?;
         }
         Err(e) => {
             let _ = conn.send(
                 &Msg::Failed {
-                    phase: ctx.control.phase(ctx.rank).name().into(),
+                    phase: ctx.control.phase_name(ctx.rank),
                     message: e.to_string(),
                     timeout: e.is_timeout(),
                 },
