@@ -34,17 +34,13 @@ pub fn rows(args: &BenchAllreduceArgs) -> Result<Vec<BenchRow>> {
             })
             .collect::<Result<_>>()?
     };
-    let dtypes: Vec<DType> = if args.dtype.iter().any(|d| d == "all") {
-        DType::ALL.to_vec()
-    } else {
-        args.dtype
-            .iter()
-            .map(|d| {
-                DType::parse(d)
-                    .ok_or_else(|| anyhow::anyhow!("unknown dtype '{d}' (f32, f16, bf16, all)"))
-            })
-            .collect::<Result<_>>()?
-    };
+    // `all` anywhere in the list: every dtype.
+    let dtypes: Vec<DType> = args
+        .dtype
+        .iter()
+        .map(|d| crate::dtype_arg("--dtype", d, &["all"]).map_err(|e| anyhow::anyhow!(e)))
+        .collect::<Result<Option<_>>>()?
+        .unwrap_or_else(|| DType::ALL.to_vec());
     let mut rows = Vec::new();
     for &dtype in &dtypes {
         let counts: Vec<usize> = match &args.counts {

@@ -3,7 +3,9 @@
 
 use std::path::PathBuf;
 
+use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use tprun_kernels::IpcMode;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -37,8 +39,8 @@ pub struct Cli {
     pub timeout: f64,
 
     /// How GPU ranks share buffers: fd (VMM + POSIX fds), legacy (cudaIpc handles), auto.
-    #[arg(long, value_enum, default_value_t = IpcArg::Auto, global = true)]
-    pub ipc: IpcArg,
+    #[arg(long, default_value = "auto", global = true, value_parser = ipc_mode())]
+    pub ipc: IpcMode,
 
     #[command(subcommand)]
     pub command: Command,
@@ -52,11 +54,10 @@ pub enum BackendArg {
     Hip,
 }
 
-#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
-pub enum IpcArg {
-    Auto,
-    Fd,
-    Legacy,
+/// `--ipc`: the device layer's own [`IpcMode`], its names listed in the help.
+fn ipc_mode() -> impl TypedValueParser<Value = IpcMode> {
+    PossibleValuesParser::new(IpcMode::ALL.map(IpcMode::name))
+        .map(|s| IpcMode::parse(&s).expect("a listed name"))
 }
 
 #[derive(Subcommand, Debug)]

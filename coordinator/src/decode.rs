@@ -18,7 +18,7 @@ use tprun_rank::model::{
 
 use crate::cli::{DecodeArgs, SynthArgs};
 use crate::launch::{JobError, Observer};
-use crate::Settings;
+use crate::{dtype_arg, Settings};
 
 const DEFAULT_PROMPT: &str = "Once upon a time";
 
@@ -37,15 +37,6 @@ fn usage(m: impl Into<String>) -> JobError {
 
 fn bad(m: impl std::fmt::Display) -> JobError {
     JobError::Setup(anyhow::anyhow!("{m}"))
-}
-
-fn parse_dtype(s: &str) -> Result<Option<DType>, JobError> {
-    if s == "auto" {
-        return Ok(None);
-    }
-    DType::parse(s)
-        .map(Some)
-        .ok_or_else(|| usage(format!("unknown dtype '{s}' (auto, f32, bf16, f16)")))
 }
 
 /// Writes the embedded default model: a tiny synthetic Llama in a private temporary folder.
@@ -147,7 +138,7 @@ fn percentile(sorted: &[f32], q: f64) -> f64 {
 }
 
 pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
-    let dtype = parse_dtype(&args.dtype)?;
+    let dtype = dtype_arg("--dtype", &args.dtype, &["auto"]).map_err(usage)?;
     if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
         return Err(usage("--temperature must be a finite number >= 0"));
     }
@@ -161,17 +152,7 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
             tprun_kernels::ops::TOPK_MAX
         )));
     }
-    let kv_dtype = match args.kv_dtype.as_str() {
-        "auto" => None,
-        s => match DType::parse(s) {
-            Some(d) if d.is_float() => Some(d),
-            _ => {
-                return Err(usage(format!(
-                    "unknown --kv-dtype '{s}' (auto, f32, bf16, f16)"
-                )))
-            }
-        },
-    };
+    let kv_dtype = dtype_arg("--kv-dtype", &args.kv_dtype, &["auto"]).map_err(usage)?;
     if args.max_seq == Some(0) {
         return Err(usage("--max-seq must be at least 1"));
     }
@@ -389,8 +370,9 @@ pub fn synth_cmd(args: &SynthArgs) -> Result<i32, JobError> {
             names.join(", ")
         ))
     })?;
-    let dtype =
-        parse_dtype(&args.dtype)?.ok_or_else(|| usage("--dtype must be f32, bf16 or f16"))?;
+    let dtype = dtype_arg("--dtype", &args.dtype, &[])
+        .map_err(usage)?
+        .expect("no keywords");
     let opts = SynthOptions {
         arch,
         preset,

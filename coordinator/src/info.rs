@@ -103,12 +103,7 @@ pub fn selftest(settings: &Settings, args: &SelftestArgs) -> Result<i32, JobErro
     let mut failed = 0usize;
     // 1. Kernels against their CPU twins (GPU backends; ranks as threads on one device).
     if settings.backend == Backend::Cuda {
-        let mode = match settings.ipc {
-            tprun_rank::job::IpcMode::Auto => cuda::IpcMode::Auto,
-            tprun_rank::job::IpcMode::Fd => cuda::IpcMode::Fd,
-            tprun_rank::job::IpcMode::Legacy => cuda::IpcMode::Legacy,
-        };
-        let results = cuda::selftest(settings.devices[0], mode, args.seed)
+        let results = cuda::selftest(settings.devices[0], settings.ipc, args.seed)
             .map_err(|e| JobError::Setup(anyhow::anyhow!("cuda selftest: {e}")))?;
         let bad: Vec<_> = results.iter().filter(|r| !r.ok).collect();
         println!(

@@ -13,10 +13,11 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use cli::{BackendArg, BenchCommand, Cli, Command, IpcArg};
+use cli::{BackendArg, BenchCommand, Cli, Command};
 use launch::Launch;
 use tprun_ipc::control::MAX_RANKS;
-use tprun_rank::job::{Backend, IpcMode, JobSpec, Task};
+use tprun_kernels::{DType, IpcMode};
+use tprun_rank::job::{Backend, JobSpec, Task};
 
 /// Validated global settings.
 pub struct Settings {
@@ -85,17 +86,12 @@ impl Settings {
                 )
             }
         };
-        let ipc = match cli.ipc {
-            IpcArg::Auto => IpcMode::Auto,
-            IpcArg::Fd => IpcMode::Fd,
-            IpcArg::Legacy => IpcMode::Legacy,
-        };
         Ok(Settings {
             backend_explicit: cli.backend != BackendArg::Auto,
             world,
             devices,
             backend,
-            ipc,
+            ipc: cli.ipc,
             timeout: Duration::from_secs_f64(cli.timeout),
         })
     }
@@ -116,6 +112,23 @@ impl Settings {
             },
         }
     }
+}
+
+/// A dtype flag's value: one of [`DType::parse`]'s names, or one of the flag's `keywords`
+/// (`auto`, `all`), which gives `None`. Every dtype flag goes through here, so all accept the
+/// same names and fail with the same wording.
+pub fn dtype_arg(flag: &str, s: &str, keywords: &[&str]) -> Result<Option<DType>, String> {
+    if keywords.contains(&s) {
+        return Ok(None);
+    }
+    DType::parse(s).map(Some).ok_or_else(|| {
+        let choices: Vec<&str> = keywords
+            .iter()
+            .copied()
+            .chain(DType::ALL.map(DType::name))
+            .collect();
+        format!("unknown {flag} '{s}' ({})", choices.join(", "))
+    })
 }
 
 /// Visible CUDA devices, or why the CUDA backend cannot be used (driver or NVRTC missing).

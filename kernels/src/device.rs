@@ -30,6 +30,39 @@ pub struct DeviceInfo {
     pub uuid: String,
 }
 
+/// How GPU backends export shareable buffers to other processes (`--ipc`); the CPU backend
+/// always uses memfds and ignores it. The one type for this choice: the job spec carries it
+/// and the CLI parses it with [`IpcMode::parse`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum IpcMode {
+    /// VMM (`cuMemCreate`) exported as a POSIX fd that travels by SCM_RIGHTS: works across
+    /// containers and PID namespaces, and can be imported in the exporting process too.
+    Fd,
+    /// `cuMemAlloc` + `cuIpcGetMemHandle` (64 bytes, no fd): works where VMM fds do not, but
+    /// needs a shared PID namespace, and a process cannot open its own handles.
+    Legacy,
+    /// `Fd` when the device supports it (checked by exporting a small test allocation), else
+    /// `Legacy`.
+    Auto,
+}
+
+impl IpcMode {
+    pub const ALL: [IpcMode; 3] = [IpcMode::Auto, IpcMode::Fd, IpcMode::Legacy];
+
+    /// "auto", "fd" or "legacy" (the CLI's spelling).
+    pub fn name(self) -> &'static str {
+        match self {
+            IpcMode::Fd => "fd",
+            IpcMode::Legacy => "legacy",
+            IpcMode::Auto => "auto",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<IpcMode> {
+        IpcMode::ALL.into_iter().find(|m| m.name() == s)
+    }
+}
+
 /// How a shareable buffer is described to another process. The file descriptor, if any,
 /// travels separately (SCM_RIGHTS); this part is serialised into the wire message.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]

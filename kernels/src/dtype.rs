@@ -37,12 +37,14 @@ impl DType {
         }
     }
 
+    /// A float dtype by name: the CLI's (`f32`, `f16`, `bf16`) or a config's (`float16`,
+    /// `bfloat16`, …), any case. The one parser of dtype names (flags, `config.json`); `u32`
+    /// is internal (ids, positions) and never read from input.
     pub fn parse(s: &str) -> Option<DType> {
         match s.to_ascii_lowercase().as_str() {
             "f32" | "float32" | "float" => Some(DType::F32),
             "f16" | "float16" | "half" => Some(DType::F16),
             "bf16" | "bfloat16" => Some(DType::BF16),
-            "u32" | "uint32" => Some(DType::U32),
             _ => None,
         }
     }
@@ -204,5 +206,6 @@ mod tests {
         assert_eq!(DType::parse("BF16"), Some(DType::BF16));
         assert_eq!(DType::parse("float16"), Some(DType::F16));
         assert_eq!(DType::parse("f64"), None);
+        assert_eq!(DType::parse("u32"), None, "internal, never an input");
     }
 }

@@ -2,7 +2,7 @@
 //! Both are postcard-encoded inside the ipc crate's opaque payloads.
 
 use serde::{Deserialize, Serialize};
-use tprun_kernels::DType;
+use tprun_kernels::{DType, IpcMode};
 
 /// Which device layer the ranks use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -22,15 +22,9 @@ impl Backend {
     }
 }
 
-/// How GPU ranks share peer buffers (`--ipc`); ignored by the CPU backend (always memfds).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum IpcMode {
-    Auto,
-    Fd,
-    Legacy,
-}
-
-/// Allreduce algorithms, with the names used in the CLI, the code and the tables.
+/// Allreduce algorithms, with the names used in the CLI, the code and the tables: the user's
+/// choice (`auto` included). The device op an algorithm runs is a `CommAlgo`, mapped in one
+/// place (`comm::device_algo`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Algo {
     Host,
@@ -59,6 +53,7 @@ impl Algo {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct JobSpec {
     pub backend: Backend,
+    /// How GPU ranks share peer buffers (`--ipc`).
     pub ipc: IpcMode,
     /// Deadline of every wait (barriers, flag waits, the token ring), in milliseconds.
     pub timeout_ms: u64,

@@ -11,7 +11,7 @@ use tprun_kernels::cuda;
 use tprun_kernels::Device;
 
 use crate::comm::Communicator;
-use crate::job::{self, Backend, IpcMode, JobSpec, Task};
+use crate::job::{self, Backend, JobSpec, Task};
 use crate::{Phase, RankError};
 
 /// How long a rank waits for the coordinator's answer to `Hello`.
@@ -114,18 +114,13 @@ pub fn run(opts: RankOptions) -> Result<(), RankError> {
             run_task(&ctx, &conn, Arc::new(dev), &spec, spin)
         }
         Backend::Cuda => {
-            let mode = match spec.ipc {
-                IpcMode::Auto => cuda::IpcMode::Auto,
-                IpcMode::Fd => cuda::IpcMode::Fd,
-                IpcMode::Legacy => cuda::IpcMode::Legacy,
-            };
             let spin = if spec.oversubscribed {
                 SPIN_OVERSUBSCRIBED
             } else {
                 SPIN_DEDICATED
             };
             // CUDA_VISIBLE_DEVICES (set by the coordinator) makes our device ordinal 0.
-            match cuda::CudaDevice::new(0, mode) {
+            match cuda::CudaDevice::new(0, spec.ipc) {
                 Ok(dev) => {
                     // TPRUN_CUDA_PDL=1: decode kernels with programmatic dependent launch (an
                     // A/B knob while it is measured; every rank inherits the coordinator's

@@ -37,36 +37,11 @@ pub use mem::CudaBuf;
 pub use probe::{device_count, driver_present, nvrtc_present, peer_matrix, probe};
 pub use selftest::{selftest, SelftestResult};
 
+pub use crate::device::IpcMode;
 use crate::device::{Device, DeviceInfo, Export, Op};
 use crate::{KernelError, Result};
 use launch::{Kernels, Launcher};
 use mem::HostWords;
-
-/// How shareable buffers are exported to other processes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum IpcMode {
-    /// VMM (`cuMemCreate`) exported as a POSIX fd that travels by SCM_RIGHTS: works across
-    /// containers and PID namespaces, and can be imported in the exporting process too.
-    Fd,
-    /// `cuMemAlloc` + `cuIpcGetMemHandle` (64 bytes, no fd): works where VMM fds do not, but
-    /// needs a shared PID namespace, and a process cannot open its own handles.
-    Legacy,
-    /// `Fd` when the device supports it (checked by exporting a small test allocation), else
-    /// `Legacy`.
-    Auto,
-}
-
-impl IpcMode {
-    /// "fd", "legacy" or "auto" (the CLI's spelling).
-    pub fn parse(s: &str) -> Option<IpcMode> {
-        match s {
-            "fd" => Some(IpcMode::Fd),
-            "legacy" => Some(IpcMode::Legacy),
-            "auto" => Some(IpcMode::Auto),
-            _ => None,
-        }
-    }
-}
 
 /// Turns a driver error into a backend error naming the call.
 pub(crate) fn driver_err(what: impl Into<String>) -> impl FnOnce(DriverError) -> KernelError {
