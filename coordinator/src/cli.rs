@@ -222,14 +222,11 @@ pub struct RankArgs {
     #[arg(long)]
     pub join: PathBuf,
 
-    /// This rank's number (0-based).
+    /// This rank's number (0-based). Everything else (its device, the job's settings) comes
+    /// from the coordinator's plan; a GPU rank uses the one GPU it sees first (set
+    /// CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES, or give its container one GPU).
     #[arg(long)]
     pub rank: usize,
-
-    /// This rank's device (informational for cpu; GPU ranks see it as device 0 through
-    /// CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES).
-    #[arg(long, default_value_t = 0)]
-    pub device: usize,
 
     /// File holding the job token (hex). Default: the TPRUN_JOB_TOKEN environment variable.
     #[arg(long)]

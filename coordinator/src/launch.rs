@@ -21,7 +21,7 @@ use nix::unistd::Pid;
 use tprun_ipc::control::describe_abort;
 use tprun_ipc::wire::{Listener, Msg};
 use tprun_ipc::{AbortReason, Conn, ControlBlock};
-use tprun_rank::job::{self, JobSpec, Report};
+use tprun_rank::job::{self, JobSpec, Plan, Report};
 use tprun_rank::Phase;
 
 /// How long a connecting client has to say Hello.
@@ -200,7 +200,17 @@ pub fn run(launch: Launch, observer: &mut dyn Observer) -> Result<(), JobError> 
             .map_err(|e| anyhow::anyhow!("control block: {e}"))?
             .with_phase_names(&Phase::NAMES),
     );
-    let job_bytes = job::encode(&launch.spec);
+    // Each rank's plan: the job, and the device it runs on.
+    let plans: Vec<Vec<u8>> = launch
+        .devices
+        .iter()
+        .map(|&device| {
+            job::encode(&Plan {
+                job: launch.spec.clone(),
+                device,
+            })
+        })
+        .collect();
 
     let (tx, rx) = mpsc::channel::<Event>();
     let accepting = Arc::new(AtomicBool::new(true));
@@ -237,7 +247,7 @@ pub fn run(launch: Launch, observer: &mut dyn Observer) -> Result<(), JobError> 
         ranks,
         dir: &mut dir,
         accepting,
-        job_bytes,
+        plans,
         joined: 0,
         peers_sent: false,
         error: None,
@@ -259,7 +269,8 @@ struct Supervisor<'a> {
     ranks: Vec<RankState>,
     dir: &'a mut RendezvousDir,
     accepting: Arc<AtomicBool>,
-    job_bytes: Vec<u8>,
+    /// Each rank's encoded `Plan`, sent in its `Welcome`.
+    plans: Vec<Vec<u8>>,
     joined: usize,
     peers_sent: bool,
     /// The first real failure; later ones (ranks that only saw the abort) are not reported.
@@ -425,7 +436,7 @@ impl Supervisor<'_> {
         let sent = conn.send(
             &Msg::Welcome {
                 world: self.launch.world as u32,
-                job: self.job_bytes.clone(),
+                job: self.plans[r].clone(),
             },
             &[self.control.fd()],
         );
@@ -620,10 +631,8 @@ fn spawn_rank(
         .arg(sock)
         .arg("--rank")
         .arg(rank.to_string())
-        .arg("--device")
-        .arg(device.to_string())
         .env("TPRUN_JOB_TOKEN", hex(token))
-        .env("TPRUN_DEVICE", device.to_string())
+        // The rank's only visible GPU; everything else about the job it learns from its plan.
         .env("CUDA_VISIBLE_DEVICES", device.to_string())
         .env("HIP_VISIBLE_DEVICES", device.to_string())
         .stdin(Stdio::null())

@@ -16,7 +16,7 @@ use clap::Parser;
 use cli::{BackendArg, BenchCommand, Cli, Command};
 use launch::Launch;
 use tprun_ipc::control::MAX_RANKS;
-use tprun_kernels::{DType, IpcMode};
+use tprun_kernels::{CommSettings, DType, IpcMode};
 use tprun_rank::job::{Backend, JobSpec, Task};
 
 /// Validated global settings.
@@ -27,6 +27,8 @@ pub struct Settings {
     pub devices: Vec<usize>,
     pub backend: Backend,
     pub ipc: IpcMode,
+    /// GPU allreduce kernel settings, from the A/B environment knobs ([`comm_settings`]).
+    pub comm: CommSettings,
     pub timeout: Duration,
 }
 
@@ -92,6 +94,7 @@ impl Settings {
             devices,
             backend,
             ipc: cli.ipc,
+            comm: comm_settings()?,
             timeout: Duration::from_secs_f64(cli.timeout),
         })
     }
@@ -105,6 +108,7 @@ impl Settings {
             spec: JobSpec {
                 backend: self.backend,
                 ipc: self.ipc,
+                comm: self.comm,
                 timeout_ms: self.timeout.as_millis() as u64,
                 threads: (cores / self.world).max(1),
                 oversubscribed: self.world > cores,
@@ -112,6 +116,25 @@ impl Settings {
             },
         }
     }
+}
+
+/// The GPU allreduce settings of a job: the defaults, changed by the coordinator's A/B knobs
+/// (README): `TPRUN_CUDA_LL=0`, `TPRUN_CUDA_MEMCPY=1`, `TPRUN_CUDA_COMM_BLOCKS=N`. Read here,
+/// once, and sent to every rank in the job spec, so that all ranks use the same.
+fn comm_settings() -> Result<CommSettings, String> {
+    let var = |k| std::env::var(k).ok();
+    let d = CommSettings::default();
+    let comm_blocks = match var("TPRUN_CUDA_COMM_BLOCKS") {
+        None => d.comm_blocks,
+        Some(v) => Some(v.parse::<u32>().ok().filter(|&n| n > 0).ok_or_else(|| {
+            format!("TPRUN_CUDA_COMM_BLOCKS='{v}': expected a positive number of blocks")
+        })?),
+    };
+    Ok(CommSettings {
+        low_latency: var("TPRUN_CUDA_LL").map_or(d.low_latency, |v| v != "0"),
+        small_copy_kernel: var("TPRUN_CUDA_MEMCPY").map_or(d.small_copy_kernel, |v| v != "1"),
+        comm_blocks,
+    })
 }
 
 /// A dtype flag's value: one of [`DType::parse`]'s names, or one of the flag's `keywords`
@@ -234,7 +257,6 @@ fn run_rank(args: &cli::RankArgs) -> i32 {
         socket: args.join.clone(),
         rank: args.rank,
         token,
-        device: args.device,
     };
     match tprun_rank::run::run(opts) {
         Ok(()) => 0,

@@ -31,6 +31,8 @@
 use std::sync::atomic::AtomicU32;
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
+
 use crate::{DType, View};
 
 /// Largest world size the layout has room for.
@@ -59,6 +61,37 @@ pub enum CommAlgo {
     /// rank order into `data`, and count the call (GPU backends keep a device-side epoch
     /// counter that every algorithm must advance).
     HostReduce,
+}
+
+/// Job-wide settings of GPU backends' allreduce kernels, applied when a rank opens its device.
+/// Every rank of a job must use the same ones (a block waits for the peers' block of the same
+/// number, and the low-latency and flag-and-slot kernels do not meet each other), so they
+/// travel in the job spec from the coordinator; nothing below the coordinator reads them from
+/// the environment. The CPU backend ignores them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommSettings {
+    /// `oneshot` sends messages of up to [`CommLayout::ll_bytes`] with their flags inside the
+    /// data (the low-latency kernel); off: the flag-and-slot kernel for every size.
+    pub low_latency: bool,
+    /// Same-dtype copies of up to 1 MiB (the `host` allreduce's copy-in) as a kernel; off:
+    /// always a device memcpy.
+    pub small_copy_kernel: bool,
+    /// Most blocks one allreduce launch uses (clamped to 1..=128). `None`: the device's default
+    /// (a fifth of the allreduce blocks that fit on it), the same on every rank only when the
+    /// ranks' GPUs are the same model.
+    pub comm_blocks: Option<u32>,
+}
+
+impl Default for CommSettings {
+    /// What measured best on the H200 (docs/perf-notes.md): low-latency oneshot and small-copy
+    /// kernel on, the device's block count.
+    fn default() -> Self {
+        CommSettings {
+            low_latency: true,
+            small_copy_kernel: true,
+            comm_blocks: None,
+        }
+    }
 }
 
 /// Sizes of one rank's communication buffer.

@@ -18,7 +18,7 @@ pub mod error;
 pub mod ops;
 pub mod rng;
 
-pub use comm::{AllreduceArgs, CommAlgo, CommLayout};
+pub use comm::{AllreduceArgs, CommAlgo, CommLayout, CommSettings};
 pub use device::{Device, DeviceInfo, Export, ExportMeta, IpcMode, Op, View};
 pub use dtype::DType;
 pub use error::{KernelError, Result};

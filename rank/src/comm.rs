@@ -20,6 +20,7 @@ use tprun_kernels::comm::{AddNorm, AllreduceArgs, CommAlgo, CommLayout};
 use tprun_kernels::{Device, Export, ExportMeta, Op, View};
 
 use crate::job::{Algo, Backend};
+use crate::run::RankCtx;
 use crate::{Collectives, RankError};
 
 /// Picks the algorithm `auto` stands for.
@@ -80,17 +81,16 @@ pub struct Communicator<D: Device> {
 impl<D: Device> Communicator<D> {
     /// Allocates and exports this rank's buffer, exchanges exports through the coordinator,
     /// maps every peer's buffer, and meets the others at the first barrier.
-    #[allow(clippy::too_many_arguments)]
     pub fn establish(
         dev: Arc<D>,
         conn: &Conn,
-        control: Arc<ControlBlock>,
-        rank: usize,
+        ctx: &RankCtx,
         backend: Backend,
         max_message_bytes: usize,
         timeout: Duration,
         spin: u32,
     ) -> Result<Self, RankError> {
+        let (rank, control) = (ctx.rank, ctx.control.clone());
         let world = control.world();
         let layout = CommLayout::new(max_message_bytes, world);
         let (own, export) = dev.alloc_shared(layout.total_bytes())?;
@@ -102,10 +102,7 @@ impl<D: Device> Communicator<D> {
         let fds: Vec<_> = export.fd.iter().map(std::os::fd::AsFd::as_fd).collect();
         // GPU ranks see their device as ordinal 0 (CUDA_VISIBLE_DEVICES); name the physical
         // device the coordinator assigned instead.
-        let ordinal = std::env::var("TPRUN_DEVICE")
-            .ok()
-            .and_then(|d| d.parse().ok())
-            .unwrap_or(info.ordinal);
+        let ordinal = ctx.device;
         conn.send(
             &Msg::Export {
                 device: if info.name == info.backend {

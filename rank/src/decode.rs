@@ -71,8 +71,7 @@ pub fn run<D: Device>(
     let mut comm = Communicator::establish(
         dev,
         conn,
-        ctx.control.clone(),
-        ctx.rank,
+        ctx,
         backend,
         model.max_allreduce_bytes(),
         timeout,

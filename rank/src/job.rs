@@ -1,8 +1,9 @@
-//! The job spec the coordinator sends every rank in `Welcome`, and the reports ranks send back.
-//! Both are postcard-encoded inside the ipc crate's opaque payloads.
+//! The plan the coordinator sends each rank in `Welcome` (the job spec, identical on every
+//! rank, plus that rank's own part), and the reports ranks send back. Both are
+//! postcard-encoded inside the ipc crate's opaque payloads.
 
 use serde::{Deserialize, Serialize};
-use tprun_kernels::{DType, IpcMode};
+use tprun_kernels::{CommSettings, DType, IpcMode};
 
 /// Which device layer the ranks use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -24,7 +25,8 @@ impl Backend {
 
 /// Allreduce algorithms, with the names used in the CLI, the code and the tables: the user's
 /// choice (`auto` included). The device op an algorithm runs is a `CommAlgo`, mapped in one
-/// place (`comm::device_algo`).
+/// place (`comm::device_algo`); whether `oneshot` uses the low-latency kernel is a job-wide
+/// device setting ([`CommSettings::low_latency`]), not a choice of algorithm.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Algo {
     Host,
@@ -50,11 +52,27 @@ impl Algo {
     }
 }
 
+/// What one rank receives in `Welcome`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    /// The job, the same for every rank.
+    pub job: JobSpec,
+    /// This rank's device as the coordinator assigned it (`--devices`), used in names and
+    /// messages. GPU ranks open ordinal 0: the coordinator's CUDA_VISIBLE_DEVICES (or the
+    /// container) makes this device the only one they see.
+    pub device: usize,
+}
+
+/// Everything about a job that every rank must agree on. Only the coordinator decides it;
+/// ranks read no job-wide setting from their own environment, so that a rank started by hand
+/// (in a container) cannot disagree with the others.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct JobSpec {
     pub backend: Backend,
     /// How GPU ranks share peer buffers (`--ipc`).
     pub ipc: IpcMode,
+    /// Allreduce kernel settings of GPU backends, applied when a rank opens its device.
+    pub comm: CommSettings,
     /// Deadline of every wait (barriers, flag waits, the token ring), in milliseconds.
     pub timeout_ms: u64,
     /// Host threads each rank may use (cores / ranks, at least 1).
@@ -174,4 +192,33 @@ pub fn encode<T: Serialize>(v: &T) -> Vec<u8> {
 pub fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, crate::RankError> {
     postcard::from_bytes(bytes)
         .map_err(|e| crate::RankError::Other(format!("undecodable job payload: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plan_carries_the_job_settings_and_the_rank_device() {
+        let plan = Plan {
+            job: JobSpec {
+                backend: Backend::Cuda,
+                ipc: IpcMode::Legacy,
+                comm: CommSettings {
+                    low_latency: false,
+                    small_copy_kernel: false,
+                    comm_blocks: Some(12),
+                },
+                timeout_ms: 1000,
+                threads: 2,
+                oversubscribed: false,
+                task: Task::Bench(BenchSpec {
+                    rows: vec![],
+                    check: true,
+                }),
+            },
+            device: 5,
+        };
+        assert_eq!(decode::<Plan>(&encode(&plan)).unwrap(), plan);
+    }
 }

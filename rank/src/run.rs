@@ -11,7 +11,7 @@ use tprun_kernels::cuda;
 use tprun_kernels::Device;
 
 use crate::comm::Communicator;
-use crate::job::{self, Backend, JobSpec, Task};
+use crate::job::{self, Backend, JobSpec, Plan, Task};
 use crate::{Phase, RankError};
 
 /// How long a rank waits for the coordinator's answer to `Hello`.
@@ -29,14 +29,14 @@ pub struct RankOptions {
     pub rank: usize,
     /// The job token (from `TPRUN_JOB_TOKEN` or a token file).
     pub token: [u8; 16],
-    /// This rank's device as the coordinator assigned it (for CPU: informational).
-    pub device: usize,
 }
 
 /// What every part of a running rank shares.
 pub struct RankCtx {
     pub rank: usize,
     pub world: usize,
+    /// This rank's device as the coordinator assigned it ([`job::Plan::device`]).
+    pub device: usize,
     pub control: Arc<ControlBlock>,
 }
 
@@ -82,8 +82,8 @@ pub fn run(opts: RankOptions) -> Result<(), RankError> {
         &[],
     )?;
     let (msg, mut fds) = conn.recv(Some(JOIN_TIMEOUT))?;
-    let (world, spec) = match msg {
-        Msg::Welcome { world, job } => (world as usize, job::decode::<JobSpec>(&job)?),
+    let (world, plan) = match msg {
+        Msg::Welcome { world, job } => (world as usize, job::decode::<Plan>(&job)?),
         Msg::Refused { reason } => {
             return Err(RankError::Other(format!(
                 "the coordinator refused us: {reason}"
@@ -97,9 +97,11 @@ pub fn run(opts: RankOptions) -> Result<(), RankError> {
     let control =
         Arc::new(ControlBlock::open(cb_fd, world, &opts.token)?.with_phase_names(&Phase::NAMES));
     control.set_pid(opts.rank, std::process::id());
+    let spec = plan.job;
     let ctx = RankCtx {
         rank: opts.rank,
         world,
+        device: plan.device,
         control,
     };
     ctx.enter(Phase::Setup);
@@ -110,7 +112,7 @@ pub fn run(opts: RankOptions) -> Result<(), RankError> {
             } else {
                 SPIN_DEDICATED
             };
-            let dev = CpuDevice::new(opts.device, spec.threads, spin);
+            let dev = CpuDevice::new(ctx.device, spec.threads, spin);
             run_task(&ctx, &conn, Arc::new(dev), &spec, spin)
         }
         Backend::Cuda => {
@@ -120,7 +122,7 @@ pub fn run(opts: RankOptions) -> Result<(), RankError> {
                 SPIN_DEDICATED
             };
             // CUDA_VISIBLE_DEVICES (set by the coordinator) makes our device ordinal 0.
-            match cuda::CudaDevice::new(0, spec.ipc) {
+            match cuda::CudaDevice::open(0, spec.ipc, &spec.comm) {
                 Ok(dev) => {
                     // TPRUN_CUDA_PDL=1: decode kernels with programmatic dependent launch (an
                     // A/B knob while it is measured; every rank inherits the coordinator's
@@ -165,16 +167,8 @@ fn run_task<D: Device>(
     match &spec.task {
         Task::Bench(b) => {
             let max = b.max_bytes();
-            let mut comm = Communicator::establish(
-                dev.clone(),
-                conn,
-                ctx.control.clone(),
-                ctx.rank,
-                spec.backend,
-                max,
-                timeout,
-                spin,
-            )?;
+            let mut comm =
+                Communicator::establish(dev.clone(), conn, ctx, spec.backend, max, timeout, spin)?;
             crate::bench::run(ctx, conn, &mut comm, &*dev, b)
         }
         Task::Decode(d) => crate::decode::run(ctx, conn, dev, spec.backend, d, timeout, spin),

@@ -37,6 +37,7 @@ pub use mem::CudaBuf;
 pub use probe::{device_count, driver_present, nvrtc_present, peer_matrix, probe};
 pub use selftest::{selftest, SelftestResult};
 
+use crate::comm::CommSettings;
 pub use crate::device::IpcMode;
 use crate::device::{Device, DeviceInfo, Export, Op};
 use crate::{KernelError, Result};
@@ -62,8 +63,8 @@ pub struct CudaDevice {
     /// Whether small `oneshot` messages take the low-latency kernel; see
     /// [`CudaDevice::set_low_latency`].
     ll: AtomicBool,
-    /// Small same-dtype copies as a kernel (default) or always a memcpy (`TPRUN_CUDA_MEMCPY=1`,
-    /// for A/B measurements).
+    /// Small same-dtype copies as a kernel (default) or always a memcpy
+    /// ([`CommSettings::small_copy_kernel`]).
     small_copy_kernel: bool,
     /// Decode kernels launched with programmatic dependent launch; see
     /// [`CudaDevice::set_pdl`].
@@ -81,10 +82,15 @@ pub struct CudaDevice {
 }
 
 impl CudaDevice {
-    /// Opens device `ordinal` (after CUDA_VISIBLE_DEVICES), compiles or loads the kernels, and
-    /// resolves `mode` (Auto → Fd or Legacy). `Unavailable` when there is no driver, no such
-    /// device, or no NVRTC.
+    /// [`CudaDevice::open`] with the default [`CommSettings`] (tests, tools, the selftest).
     pub fn new(ordinal: usize, mode: IpcMode) -> Result<CudaDevice> {
+        Self::open(ordinal, mode, &CommSettings::default())
+    }
+
+    /// Opens device `ordinal` (after CUDA_VISIBLE_DEVICES), compiles or loads the kernels,
+    /// resolves `mode` (Auto → Fd or Legacy) and applies the job's allreduce settings `comm`.
+    /// `Unavailable` when there is no driver, no such device, or no NVRTC.
+    pub fn open(ordinal: usize, mode: IpcMode, comm: &CommSettings) -> Result<CudaDevice> {
         probe::init()?;
         let count = dr::device::get_count().map_err(driver_err("cuDeviceGetCount"))?;
         if ordinal >= count.max(0) as usize {
@@ -110,17 +116,23 @@ impl CudaDevice {
         let mode = Self::resolve_mode(&ctx, mode)?;
         let kernels = Kernels::load(&ctx, cc)?;
         let err = HostWords::new(&ctx, launch::ERR_WORDS)?;
-        // Default grid cap: all blocks of up to 4 ranks sharing this device must be resident
-        // at once (their flag waits spin on each other; a block that cannot be scheduled
-        // would leave its peers waiting until the timeout), so a fifth of what fits: four
-        // ranks plus room for other work. A quarter, filling the GPU exactly, timed out on the
-        // first H200 run (2026-12-02).
+        // Grid cap: the job's, else the default: all blocks of up to 4 ranks sharing this
+        // device must be resident at once (their flag waits spin on each other; a block that
+        // cannot be scheduled would leave its peers waiting until the timeout), so a fifth of
+        // what fits: four ranks plus room for other work. A quarter, filling the GPU exactly,
+        // timed out on the first H200 run (2026-12-02).
         let fit = kernels.allreduce_blocks_per_sm()? * sms;
-        let comm_blocks = (fit / 5).clamp(1, launch::MAX_BLOCKS as u32);
+        let comm_blocks = comm
+            .comm_blocks
+            .unwrap_or(fit / 5)
+            .clamp(1, launch::MAX_BLOCKS as u32);
         tracing::debug!(
-            "cuda device {ordinal}: {} {}, {sms} SMs, ipc {mode:?}, {comm_blocks} comm blocks",
+            "cuda device {ordinal}: {} {}, {sms} SMs, ipc {mode:?}, {comm_blocks} comm blocks, \
+             low latency {}, small-copy kernel {}",
             info.name,
-            info.arch
+            info.arch,
+            comm.low_latency,
+            comm.small_copy_kernel
         );
         Ok(CudaDevice {
             ordinal,
@@ -128,10 +140,8 @@ impl CudaDevice {
             info,
             sms,
             comm_blocks: AtomicU32::new(comm_blocks),
-            // TPRUN_CUDA_LL=0 turns the low-latency oneshot off (A/B measurements; every rank
-            // inherits the coordinator's environment, so all ranks agree).
-            ll: AtomicBool::new(std::env::var("TPRUN_CUDA_LL").map_or(true, |v| v != "0")),
-            small_copy_kernel: std::env::var("TPRUN_CUDA_MEMCPY").map_or(true, |v| v != "1"),
+            ll: AtomicBool::new(comm.low_latency),
+            small_copy_kernel: comm.small_copy_kernel,
             pdl: AtomicBool::new(false),
             cc_major: cc.0,
             last_timeout_ns: AtomicU64::new(0),
@@ -197,7 +207,7 @@ impl CudaDevice {
     }
 
     /// Whether `oneshot` runs the low-latency kernel for messages of up to
-    /// `CommLayout::ll_bytes` (default on; `TPRUN_CUDA_LL=0` in the environment turns it off).
+    /// `CommLayout::ll_bytes` ([`CommSettings::low_latency`] when opened; default on).
     pub fn low_latency(&self) -> bool {
         // Relaxed: a plain setting, like comm_blocks.
         self.ll.load(Ordering::Relaxed)
