@@ -12,12 +12,11 @@ use serde_json::json;
 use tprun_kernels::DType;
 use tprun_rank::job::{DecodeSpec, Report, Task};
 use tprun_rank::model::forward::DEFAULT_MAX_SEQ;
-use tprun_rank::model::{
-    synth, Arch, ModelConfig, Preset, ShardPlan, SynthOptions, TextStream, Tokenizer,
-};
+use tprun_rank::model::{synth, Arch, ModelConfig, Preset, ShardPlan, SynthOptions};
 
 use crate::cli::{DecodeArgs, SynthArgs};
 use crate::launch::{JobError, Observer};
+use crate::tokenizer::{TextStream, Tokenizer};
 use crate::{dtype_arg, Settings};
 
 const DEFAULT_PROMPT: &str = "Once upon a time";

@@ -8,6 +8,7 @@ mod decode;
 mod info;
 mod launch;
 mod sizes;
+mod tokenizer;
 
 use std::process::ExitCode;
 use std::time::Duration;

@@ -39,8 +39,6 @@ pub enum ModelError {
     /// The model cannot be split over this many ranks.
     #[error("cannot shard the model over {world} ranks: {why}")]
     Shard { world: usize, why: String },
-    #[error("{}: {why}", file.display())]
-    Tokenizer { file: PathBuf, why: String },
     #[error("{0}")]
     Invalid(String),
     #[error(transparent)]

@@ -1,6 +1,6 @@
 //! The model shard: what one rank holds of a Llama-family model and how it runs its part of
-//! the forward pass, plus what the coordinator needs around it (config, tokenizer, sampler,
-//! synthetic checkpoints).
+//! the forward pass, plus what the coordinator needs around it (config, sampler, synthetic
+//! checkpoints; the tokenizer is the coordinator's own).
 //!
 //! | module | owns |
 //! | --- | --- |
@@ -11,7 +11,6 @@
 //! | `forward` | [`Model`]: KV cache, scratch, prefill and step |
 //! | `generate` | the prefill → sample → step loop every rank runs |
 //! | `sample` | greedy / temperature / top-k / top-p with a seeded RNG |
-//! | `tokenizer` | encode/decode through the `tokenizers` crate |
 //! | `synth` | writing a complete random-weight HF model folder |
 //! | `local` | ranks as threads in one process (tests and single-process embedding) |
 
@@ -24,7 +23,6 @@ pub mod safetensors;
 pub mod sample;
 pub mod shard;
 pub mod synth;
-pub mod tokenizer;
 pub mod weights;
 
 /// The seeded generator of the sampler and `synth` (shared with the op tests).
@@ -41,4 +39,3 @@ pub use local::LocalComm;
 pub use sample::{Sampler, SamplerConfig};
 pub use shard::ShardPlan;
 pub use synth::{synth, Preset, SynthOptions};
-pub use tokenizer::{TextStream, Tokenizer};

@@ -1,0 +1,183 @@
+//! Text ↔ token ids through the `tokenizers` crate (Hugging Face's `tokenizer.json`), and an
+//! incremental decoder for streaming text as tokens arrive.
+//!
+//! The coordinator's alone: it tokenizes the prompt before any rank starts and turns rank 0's
+//! tokens into text; ranks only ever see ids. Must not: know about the model or the ranks.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, Result};
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    path: PathBuf,
+}
+
+impl Tokenizer {
+    /// Loads `dir/tokenizer.json`.
+    pub fn from_dir(dir: &Path) -> Result<Tokenizer> {
+        let path = dir.join("tokenizer.json");
+        if !path.exists() {
+            return Err(anyhow!(
+                "{}: not found (the model folder needs a tokenizer.json)",
+                path.display()
+            ));
+        }
+        let inner = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| anyhow!("{}: cannot load: {e}", path.display()))?;
+        Ok(Tokenizer { inner, path })
+    }
+
+    fn err(&self, what: &str, e: tokenizers::Error) -> anyhow::Error {
+        anyhow!("{}: {what}: {e}", self.path.display())
+    }
+
+    /// Token ids of `text`, with the special tokens the tokenizer's post-processor adds (BOS
+    /// for Llama-style tokenizers).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, true)
+            .map_err(|e| self.err("encode", e))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Text of `ids`, special tokens left out.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| self.err("decode", e))
+    }
+}
+
+/// Turns a growing list of generated ids into text pieces. Decodes the whole list each time
+/// and emits what is new, holding back text that ends in an incomplete UTF-8 sequence (shown
+/// by the decoder as U+FFFD) until the next token completes it. Decoding the whole list keeps
+/// decoders that depend on context (a stripped leading space, byte fallback) right.
+#[derive(Default)]
+pub struct TextStream {
+    ids: Vec<u32>,
+    emitted: usize,
+}
+
+impl TextStream {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds one token and returns the new text, if any is complete.
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<Option<String>> {
+        self.ids.push(id);
+        let text = tok.decode(&self.ids)?;
+        if text.ends_with('\u{FFFD}')
+            || text.len() <= self.emitted
+            || !text.is_char_boundary(self.emitted)
+        {
+            return Ok(None);
+        }
+        let new = text[self.emitted..].to_string();
+        self.emitted = text.len();
+        Ok(Some(new))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tprun_rank::model::synth::{synth_ids, tokenizer_json, SYNTH_BOS};
+
+    /// A folder holding the synthetic byte-level tokenizer.json.
+    fn synth_dir(tag: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("tprun-tok-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("tokenizer.json"), tokenizer_json().to_string()).unwrap();
+        dir
+    }
+
+    #[test]
+    fn synth_tokenizer_round_trips_bytes() {
+        let dir = synth_dir("bytes");
+        let t = Tokenizer::from_dir(&dir).unwrap();
+        let text = "Hello, wörld! 🦀\n\ttabs";
+        let ids = t.encode(text).unwrap();
+        assert_eq!(ids[0], SYNTH_BOS);
+        assert_eq!(ids.len(), 1 + text.len());
+        // What the rank crate's tests use instead of a tokenizer.
+        assert_eq!(ids, synth_ids(text));
+        assert_eq!(t.decode(&ids).unwrap(), text);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn text_stream_holds_back_split_utf8() {
+        let dir = synth_dir("stream");
+        let tok = Tokenizer::from_dir(&dir).unwrap();
+        let text = "a🦀é";
+        let ids = tok.encode(text).unwrap();
+        let mut s = TextStream::new();
+        let pieces: Vec<Option<String>> = ids.iter().map(|&i| s.push(&tok, i).unwrap()).collect();
+        // BOS, "a", then the crab's four bytes (three held back), then é's two bytes.
+        assert_eq!(pieces[1].as_deref(), Some("a"));
+        assert_eq!(pieces[2..5], [None, None, None]);
+        assert_eq!(pieces[5].as_deref(), Some("🦀"));
+        assert_eq!(pieces[6], None);
+        assert_eq!(pieces[7].as_deref(), Some("é"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn missing_or_broken_tokenizer_names_the_file() {
+        let dir = synth_dir("bad");
+        std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
+        let e = Tokenizer::from_dir(&dir).err().unwrap().to_string();
+        assert!(
+            e.contains("tokenizer.json") && e.contains("not found"),
+            "{e}"
+        );
+        std::fs::write(dir.join("tokenizer.json"), "{}").unwrap();
+        let e = Tokenizer::from_dir(&dir).err().unwrap().to_string();
+        assert!(e.contains("tokenizer.json"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// stories260k's tokenizer gives the reference's prompt ids, and its generated ids decode
+    /// (at once, and streamed one by one) to the reference's text. The rank crate's test checks
+    /// the ids themselves against the same reference.
+    #[test]
+    fn stories260k_tokenizer_matches_the_transformers_reference() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/models/stories260k");
+        if !dir.join("tokenizer.json").exists() {
+            println!("skipped: ../shared/models/stories260k not found");
+            return;
+        }
+        let reference: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("reference.json")).unwrap()).unwrap();
+        let ids = |k: &str| -> Vec<u32> {
+            reference[k]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect()
+        };
+        let prompt = ids("prompt_token_ids");
+        let tok = Tokenizer::from_dir(&dir).unwrap();
+        assert_eq!(
+            tok.encode(reference["prompt"].as_str().unwrap()).unwrap(),
+            prompt
+        );
+        let all: Vec<u32> = prompt
+            .iter()
+            .chain(&ids("generated_token_ids"))
+            .copied()
+            .collect();
+        let text = reference["text"].as_str().unwrap();
+        assert_eq!(tok.decode(&all).unwrap(), text);
+        let mut stream = TextStream::new();
+        let mut streamed = String::new();
+        for &t in &all {
+            streamed.extend(stream.push(&tok, t).unwrap());
+        }
+        assert_eq!(streamed, text);
+    }
+}
