@@ -22,7 +22,7 @@ use tprun_ipc::control::describe_abort;
 use tprun_ipc::wire::{Listener, Msg};
 use tprun_ipc::{AbortReason, Conn, ControlBlock};
 use tprun_rank::job::{self, JobSpec, Plan, Report};
-use tprun_rank::Phase;
+use tprun_rank::{FailKind, Failure, Phase};
 
 /// How long a connecting client has to say Hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
@@ -45,8 +45,8 @@ extern "C" fn on_signal(_: libc::c_int) {
 pub enum JobError {
     /// A rank exited or died without finishing (exit 3).
     RankDied(String),
-    /// A rank reported an error (exit 1).
-    RankError(String),
+    /// A rank reported an error of this kind (exit 1; a rank's timeout is `Timeout`).
+    RankError(FailKind, String),
     /// A wait ran past --timeout (exit 4).
     Timeout(String),
     /// The user interrupted the job (exit 130).
@@ -63,8 +63,36 @@ impl JobError {
             JobError::RankDied(_) => 3,
             JobError::Timeout(_) => 4,
             JobError::Interrupted => 130,
-            JobError::RankError(_) | JobError::Setup(_) => 1,
+            JobError::RankError(..) | JobError::Setup(_) => 1,
             JobError::Usage(_) => 2,
+        }
+    }
+
+    /// What a rank's reported failure makes of the job, and the abort reason its peers see:
+    /// the kind, not the message, decides.
+    fn from_failure(kind: FailKind, text: String) -> (JobError, AbortReason) {
+        match kind {
+            FailKind::Timeout => (JobError::Timeout(text), AbortReason::Timeout),
+            k => (JobError::RankError(k, text), AbortReason::RankFailed),
+        }
+    }
+
+    /// A line of advice printed after the error, where there is one.
+    pub fn hint(&self) -> Option<&'static str> {
+        match self {
+            JobError::Usage(_) => Some("see tprun --help"),
+            JobError::Timeout(_) => Some(
+                "a rank stopped making progress (its phase is named above); if the work is \
+                 only slow, raise --timeout",
+            ),
+            JobError::RankError(FailKind::Device, _) => {
+                Some("`tprun info` lists the devices; `tprun selftest` checks the kernels on them")
+            }
+            JobError::RankError(FailKind::Input, _) => Some(
+                "check the model folder and the decode flags (`tprun synth` writes a folder \
+                 known to load)",
+            ),
+            _ => None,
         }
     }
 }
@@ -73,7 +101,7 @@ impl std::fmt::Display for JobError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             JobError::RankDied(m)
-            | JobError::RankError(m)
+            | JobError::RankError(_, m)
             | JobError::Timeout(m)
             | JobError::Usage(m) => f.write_str(m),
             JobError::Interrupted => f.write_str("interrupted"),
@@ -182,8 +210,8 @@ struct RankState {
     device_uuid: String,
     exported: Option<(Vec<tprun_ipc::wire::ExportItem>, Vec<OwnedFd>)>,
     done: bool,
-    /// The rank's own last words (Failed), if any: (message, timeout).
-    failed: Option<(String, bool)>,
+    /// The rank's own last words (Failed), if any.
+    failed: Option<Failure>,
 }
 
 /// Runs a job to the end. `Ok(())` when every rank finished and exited 0.
@@ -357,29 +385,32 @@ impl Supervisor<'_> {
                     Ok(rep) => observer.report(r, rep),
                     Err(e) => {
                         let m = format!("{}: sent an undecodable report: {e}", self.describe(r));
-                        self.fail(JobError::RankError(m), AbortReason::RankFailed, Some(r));
+                        let err = JobError::RankError(FailKind::Internal, m);
+                        self.fail(err, AbortReason::RankFailed, Some(r));
                     }
                 },
-                Msg::Failed {
-                    phase,
-                    message,
-                    timeout,
-                } => {
-                    self.ranks[r].failed = Some((message.clone(), timeout));
-                    if self.control.aborted().is_some() && self.error.is_some() {
+                Msg::Failed { payload } => {
+                    let f = job::decode::<Failure>(&payload).unwrap_or_else(|e| Failure {
+                        kind: FailKind::Internal,
+                        phase: self.control.phase_name(r),
+                        message: format!("an undecodable failure report: {e}"),
+                    });
+                    let (kind, phase, message) = (f.kind, f.phase.clone(), f.message.clone());
+                    self.ranks[r].failed = Some(f);
+                    if self.error.is_some()
+                        && (kind == FailKind::Aborted || self.control.aborted().is_some())
+                    {
                         return; // only saw the abort caused by an earlier failure
                     }
                     let text = format!("{} failed during {phase}: {message}", self.describe(r));
-                    if timeout {
-                        self.fail(JobError::Timeout(text), AbortReason::Timeout, Some(r));
-                    } else {
-                        self.fail(JobError::RankError(text), AbortReason::RankFailed, Some(r));
-                    }
+                    let (err, reason) = JobError::from_failure(kind, text);
+                    self.fail(err, reason, Some(r));
                 }
                 Msg::Done => self.ranks[r].done = true,
                 other => {
                     let m = format!("{}: unexpected message {other:?}", self.describe(r));
-                    self.fail(JobError::RankError(m), AbortReason::RankFailed, Some(r));
+                    let err = JobError::RankError(FailKind::Internal, m);
+                    self.fail(err, AbortReason::RankFailed, Some(r));
                 }
             },
             Event::Closed(r) => {
@@ -760,5 +791,24 @@ fn handshake(conn: Conn, token: [u8; 16], world: usize, my_uid: u32, tx: Sender<
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failure_kind_decides_the_exit_code_and_the_hint() {
+        let (e, reason) = JobError::from_failure(FailKind::Timeout, "rank 1 ...".into());
+        assert_eq!((e.exit_code(), reason), (4, AbortReason::Timeout));
+        assert!(e.hint().unwrap().contains("--timeout"));
+        let (e, reason) = JobError::from_failure(FailKind::Device, "rank 0 ...".into());
+        assert_eq!((e.exit_code(), reason), (1, AbortReason::RankFailed));
+        assert!(e.hint().unwrap().contains("selftest"));
+        // A message that reads like a timeout is still what its kind says.
+        let (e, _) = JobError::from_failure(FailKind::Input, "timed out reading".into());
+        assert_eq!(e.exit_code(), 1);
+        assert_eq!(e.to_string(), "timed out reading");
     }
 }

@@ -223,14 +223,14 @@ fn run(cli: Cli) -> i32 {
     report(result)
 }
 
-/// Prints a job's error (one line, plus a hint for usage errors) and returns the exit code.
+/// Prints a job's error (one line, plus a hint where it has one) and returns the exit code.
 fn report(result: Result<i32, launch::JobError>) -> i32 {
     match result {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e}");
-            if e.exit_code() == 2 {
-                eprintln!("hint: see tprun --help");
+            if let Some(h) = e.hint() {
+                eprintln!("hint: {h}");
             }
             e.exit_code()
         }

@@ -132,6 +132,7 @@ fn a_stalled_rank_times_out_with_exit_4() {
     assert!(t < Duration::from_secs(12), "took {t:?}");
     assert!(err.contains("allreduce"), "names the phase: {err}");
     assert!(err.contains("[2]"), "names the missing rank: {err}");
+    assert!(err.contains("hint: "), "a timeout comes with a hint: {err}");
     assert!(children(pid).is_empty());
     env.assert_clean();
 }

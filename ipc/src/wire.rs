@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use crate::{IpcError, Result};
 
 /// Bumped whenever `Msg` or the control-block layout changes incompatibly.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 const MAGIC: [u8; 4] = *b"TPRN";
 const HEADER: usize = 8;
 /// Largest frame accepted. Frames are small (reports are summaries, not raw samples); the
@@ -65,12 +65,9 @@ pub enum Msg {
     Peers { items: Vec<Vec<ExportItem>> },
     /// rank → coordinator: a result (bench row, decode statistics), opaque to this crate.
     Report { payload: Vec<u8> },
-    /// rank → coordinator: this rank failed; it exits after sending this.
-    Failed {
-        phase: String,
-        message: String,
-        timeout: bool,
-    },
+    /// rank → coordinator: this rank failed, and why (its phase, the kind of failure and the
+    /// message; opaque to this crate); it exits after sending this.
+    Failed { payload: Vec<u8> },
     /// rank → coordinator: this rank finished its work and will exit 0.
     Done,
 }

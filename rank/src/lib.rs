@@ -18,5 +18,5 @@ pub mod phase;
 pub mod run;
 
 pub use collective::Collectives;
-pub use error::RankError;
+pub use error::{FailKind, Failure, RankError};
 pub use phase::Phase;

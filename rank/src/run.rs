@@ -143,11 +143,10 @@ pub fn run(opts: RankOptions) -> Result<(), RankError> {
             conn.send(&Msg::Done, &[])?;
         }
         Err(e) => {
+            let failure = e.failure(ctx.control.phase_name(ctx.rank));
             let _ = conn.send(
                 &Msg::Failed {
-                    phase: ctx.control.phase_name(ctx.rank),
-                    message: e.to_string(),
-                    timeout: e.is_timeout(),
+                    payload: job::encode(&failure),
                 },
                 &[],
             );
