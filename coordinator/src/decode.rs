@@ -105,7 +105,7 @@ impl Observer for Streamer {
                 self.loaded();
             }
             r @ Report::Decode { .. } => self.stats = Some(r),
-            Report::BenchRow { .. } => {}
+            Report::BenchRow { .. } | Report::Selftest { .. } => {}
         }
     }
 

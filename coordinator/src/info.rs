@@ -1,9 +1,11 @@
 //! `tprun info` and `tprun selftest`: what the machine offers, and whether every kernel and
-//! every allreduce algorithm computes the right bits on it.
+//! every allreduce algorithm computes the right bits on it. The checks run in rank processes
+//! (a one-rank job for the kernels, a `--ranks` job for the allreduce); this only prints.
 
 use serde_json::json;
 use tprun_kernels::cuda;
-use tprun_rank::job::{Algo, Backend, BenchRow, BenchSpec, Report, Task};
+use tprun_kernels::cuda::SelftestResult;
+use tprun_rank::job::{Algo, Backend, BenchRow, BenchSpec, Report, SelftestSpec, Task};
 
 use crate::cli::{InfoArgs, SelftestArgs};
 use crate::launch::{JobError, Observer};
@@ -99,20 +101,42 @@ impl Observer for Wrong {
     }
 }
 
+/// The kernel checks' report from the one rank that ran them.
+#[derive(Default)]
+struct Kernels {
+    checks: Option<u64>,
+    failed: Vec<SelftestResult>,
+}
+
+impl Observer for Kernels {
+    fn report(&mut self, _rank: usize, r: Report) {
+        if let Report::Selftest { checks, failed } = r {
+            self.checks = Some(checks);
+            self.failed = failed;
+        }
+    }
+}
+
 pub fn selftest(settings: &Settings, args: &SelftestArgs) -> Result<i32, JobError> {
     let mut failed = 0usize;
-    // 1. Kernels against their CPU twins (GPU backends; ranks as threads on one device).
+    // 1. Kernels against their CPU twins (GPU backends), in one rank on the first device
+    //    (inside it, "ranks" as threads on that device).
     if settings.backend == Backend::Cuda {
-        let results = cuda::selftest(settings.devices[0], settings.ipc, args.seed)
-            .map_err(|e| JobError::Setup(anyhow::anyhow!("cuda selftest: {e}")))?;
-        let bad: Vec<_> = results.iter().filter(|r| !r.ok).collect();
+        let device = settings.devices[0];
+        let mut kernels = Kernels::default();
+        let task = Task::Selftest(SelftestSpec { seed: args.seed });
+        crate::launch::run(settings.launch_on(vec![device], task), &mut kernels)?;
+        let Some(checks) = kernels.checks else {
+            return Err(JobError::Setup(anyhow::anyhow!(
+                "the selftest rank finished without reporting its checks"
+            )));
+        };
+        let bad = &kernels.failed;
         println!(
-            "kernels   cuda device {}: {} check(s), {} failed",
-            settings.devices[0],
-            results.len(),
+            "kernels   cuda device {device}: {checks} check(s), {} failed",
             bad.len()
         );
-        for r in &bad {
+        for r in bad {
             println!(
                 "  FAILED {} {} {} elements: {}",
                 r.op, r.dtype, r.elems, r.detail

@@ -100,19 +100,26 @@ impl Settings {
         })
     }
 
+    /// A job of `--ranks` ranks on `--devices`.
     pub fn launch(&self, task: Task) -> Launch {
+        self.launch_on(self.devices.clone(), task)
+    }
+
+    /// A job of one rank per entry of `devices`.
+    pub fn launch_on(&self, devices: Vec<usize>, task: Task) -> Launch {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let world = devices.len();
         Launch {
-            world: self.world,
-            devices: self.devices.clone(),
+            world,
+            devices,
             timeout: self.timeout,
             spec: JobSpec {
                 backend: self.backend,
                 ipc: self.ipc,
                 comm: self.comm,
                 timeout_ms: self.timeout.as_millis() as u64,
-                threads: (cores / self.world).max(1),
-                oversubscribed: self.world > cores,
+                threads: (cores / world).max(1),
+                oversubscribed: world > cores,
                 task,
             },
         }

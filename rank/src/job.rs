@@ -3,6 +3,7 @@
 //! postcard-encoded inside the ipc crate's opaque payloads.
 
 use serde::{Deserialize, Serialize};
+use tprun_kernels::cuda::SelftestResult;
 use tprun_kernels::{CommSettings, DType, IpcMode};
 
 /// Which device layer the ranks use.
@@ -86,6 +87,15 @@ pub struct JobSpec {
 pub enum Task {
     Bench(BenchSpec),
     Decode(DecodeSpec),
+    /// `selftest`'s kernel checks, on a job of one rank.
+    Selftest(SelftestSpec),
+}
+
+/// `selftest`: every GPU kernel against its CPU twin on the rank's device.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SelftestSpec {
+    /// Seed of the random inputs.
+    pub seed: u64,
 }
 
 /// `decode`: the model, the prompt (already tokenized by the coordinator) and the sampling
@@ -145,6 +155,11 @@ pub struct BenchRow {
 /// What a rank reports back.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Report {
+    /// The kernel checks of `selftest`: how many ran, and the ones that failed.
+    Selftest {
+        checks: u64,
+        failed: Vec<SelftestResult>,
+    },
     /// One finished benchmark row: per-iteration times on this rank, and elements that
     /// differed from the reference over all checked iterations.
     BenchRow {

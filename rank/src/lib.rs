@@ -16,6 +16,7 @@ pub mod job;
 pub mod model;
 pub mod phase;
 pub mod run;
+pub mod selftest;
 
 pub use collective::Collectives;
 pub use error::{FailKind, Failure, RankError};

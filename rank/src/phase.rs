@@ -15,11 +15,13 @@ pub enum Phase {
     Prefill = 5,
     Decode = 6,
     Finishing = 7,
+    /// `selftest`'s kernel checks.
+    Selftest = 8,
 }
 
 impl Phase {
     /// Every phase, in code order.
-    pub const ALL: [Phase; 8] = [
+    pub const ALL: [Phase; 9] = [
         Phase::Starting,
         Phase::Rendezvous,
         Phase::Setup,
@@ -28,11 +30,12 @@ impl Phase {
         Phase::Prefill,
         Phase::Decode,
         Phase::Finishing,
+        Phase::Selftest,
     ];
 
     /// The name of each code (`NAMES[p.code()]`), for the control block's messages
     /// (`ControlBlock::with_phase_names`).
-    pub const NAMES: [&'static str; 8] = [
+    pub const NAMES: [&'static str; 9] = [
         "start-up",
         "rendezvous",
         "setup",
@@ -41,6 +44,7 @@ impl Phase {
         "prefill",
         "decode",
         "finishing",
+        "selftest",
     ];
 
     /// The code stored in the control block.

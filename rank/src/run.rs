@@ -105,37 +105,10 @@ pub fn run(opts: RankOptions) -> Result<(), RankError> {
         control,
     };
     ctx.enter(Phase::Setup);
-    let result = match spec.backend {
-        Backend::Cpu => {
-            let spin = if spec.oversubscribed {
-                SPIN_OVERSUBSCRIBED
-            } else {
-                SPIN_DEDICATED
-            };
-            let dev = CpuDevice::new(ctx.device, spec.threads, spin);
-            run_task(&ctx, &conn, Arc::new(dev), &spec, spin)
-        }
-        Backend::Cuda => {
-            let spin = if spec.oversubscribed {
-                SPIN_OVERSUBSCRIBED
-            } else {
-                SPIN_DEDICATED
-            };
-            // CUDA_VISIBLE_DEVICES (set by the coordinator) makes our device ordinal 0.
-            match cuda::CudaDevice::open(0, spec.ipc, &spec.comm) {
-                Ok(dev) => {
-                    // TPRUN_CUDA_PDL=1: decode kernels with programmatic dependent launch (an
-                    // A/B knob while it is measured; every rank inherits the coordinator's
-                    // environment).
-                    dev.set_pdl(std::env::var("TPRUN_CUDA_PDL").is_ok_and(|v| v == "1"));
-                    run_task(&ctx, &conn, Arc::new(dev), &spec, spin)
-                }
-                Err(e) => Err(e.into()),
-            }
-        }
-        Backend::Hip => Err(RankError::Other(
-            "backend 'hip' has no runtime layer in this build yet".into(),
-        )),
+    let result = match &spec.task {
+        // The kernel checks open devices of their own.
+        Task::Selftest(s) => crate::selftest::run(&ctx, &conn, &spec, s),
+        _ => open_and_run(&ctx, &conn, &spec),
     };
     match &result {
         Ok(()) => {
@@ -155,6 +128,32 @@ pub fn run(opts: RankOptions) -> Result<(), RankError> {
     result
 }
 
+/// Opens this rank's device with the job's settings and runs the task on it.
+fn open_and_run(ctx: &RankCtx, conn: &Conn, spec: &JobSpec) -> Result<(), RankError> {
+    let spin = if spec.oversubscribed {
+        SPIN_OVERSUBSCRIBED
+    } else {
+        SPIN_DEDICATED
+    };
+    match spec.backend {
+        Backend::Cpu => {
+            let dev = CpuDevice::new(ctx.device, spec.threads, spin);
+            run_task(ctx, conn, Arc::new(dev), spec, spin)
+        }
+        Backend::Cuda => {
+            // CUDA_VISIBLE_DEVICES (set by the coordinator) makes our device ordinal 0.
+            let dev = cuda::CudaDevice::open(0, spec.ipc, &spec.comm)?;
+            // TPRUN_CUDA_PDL=1: decode kernels with programmatic dependent launch (an A/B knob
+            // while it is measured; every rank inherits the coordinator's environment).
+            dev.set_pdl(std::env::var("TPRUN_CUDA_PDL").is_ok_and(|v| v == "1"));
+            run_task(ctx, conn, Arc::new(dev), spec, spin)
+        }
+        Backend::Hip => Err(RankError::Other(
+            "backend 'hip' has no runtime layer in this build yet".into(),
+        )),
+    }
+}
+
 fn run_task<D: Device>(
     ctx: &RankCtx,
     conn: &Conn,
@@ -171,5 +170,6 @@ fn run_task<D: Device>(
             crate::bench::run(ctx, conn, &mut comm, &*dev, b)
         }
         Task::Decode(d) => crate::decode::run(ctx, conn, dev, spec.backend, d, timeout, spin),
+        Task::Selftest(_) => unreachable!("selftest opens its own devices"),
     }
 }

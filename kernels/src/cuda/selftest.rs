@@ -21,8 +21,8 @@ use crate::device::{Device, Op, View};
 use crate::dtype::encode;
 use crate::{DType, KernelError, Result};
 
-/// One selftest check.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// One selftest check (a rank sends the failed ones to the coordinator, which prints them).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SelftestResult {
     /// "copy f32->f16", "reduce_sum 3 inputs", "allreduce oneshot world 4", ...
     pub op: String,
