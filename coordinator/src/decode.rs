@@ -261,6 +261,8 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
         top_k: args.top_k,
         top_p: args.top_p,
         seed: args.seed,
+        // A measurement knob (README), read here once so that every rank agrees.
+        no_allreduce: std::env::var("TPRUN_BENCH_NO_ALLREDUCE").is_ok_and(|v| v == "1"),
     };
     let mut st = Streamer {
         tok,

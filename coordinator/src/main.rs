@@ -30,6 +30,8 @@ pub struct Settings {
     pub ipc: IpcMode,
     /// GPU allreduce kernel settings, from the A/B environment knobs ([`comm_settings`]).
     pub comm: CommSettings,
+    /// CUDA decode kernels with programmatic dependent launch (`TPRUN_CUDA_PDL=1`, an A/B knob).
+    pub pdl: bool,
     pub timeout: Duration,
 }
 
@@ -96,6 +98,7 @@ impl Settings {
             backend,
             ipc: cli.ipc,
             comm: comm_settings()?,
+            pdl: std::env::var("TPRUN_CUDA_PDL").is_ok_and(|v| v == "1"),
             timeout: Duration::from_secs_f64(cli.timeout),
         })
     }
@@ -117,6 +120,7 @@ impl Settings {
                 backend: self.backend,
                 ipc: self.ipc,
                 comm: self.comm,
+                pdl: self.pdl,
                 timeout_ms: self.timeout.as_millis() as u64,
                 threads: (cores / world).max(1),
                 oversubscribed: world > cores,

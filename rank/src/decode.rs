@@ -65,9 +65,8 @@ pub fn run<D: Device>(
             },
         )?;
     }
-    // TPRUN_BENCH_NO_ALLREDUCE=1: measurement only (wrong tokens at world > 1): the step
-    // without its allreduces, to time what they cost per token.
-    model.set_no_allreduce(std::env::var("TPRUN_BENCH_NO_ALLREDUCE").is_ok_and(|v| v == "1"));
+    // Measurement only (wrong tokens at world > 1): the step without its allreduces.
+    model.set_no_allreduce(spec.no_allreduce);
     let mut comm = Communicator::establish(
         dev,
         conn,

@@ -74,6 +74,9 @@ pub struct JobSpec {
     pub ipc: IpcMode,
     /// Allreduce kernel settings of GPU backends, applied when a rank opens its device.
     pub comm: CommSettings,
+    /// CUDA decode kernels launched with programmatic dependent launch (the coordinator's
+    /// A/B knob `TPRUN_CUDA_PDL=1` while it is measured).
+    pub pdl: bool,
     /// Deadline of every wait (barriers, flag waits, the token ring), in milliseconds.
     pub timeout_ms: u64,
     /// Host threads each rank may use (cores / ranks, at least 1).
@@ -121,6 +124,10 @@ pub struct DecodeSpec {
     pub top_k: usize,
     pub top_p: f32,
     pub seed: u64,
+    /// Measurement only (`TPRUN_BENCH_NO_ALLREDUCE=1`): the step without its allreduces, to
+    /// time what they cost per token; the tokens are wrong at world > 1. Every rank must
+    /// agree, or the ones that reduce wait for the ones that do not.
+    pub no_allreduce: bool,
 }
 
 /// `bench allreduce`: the rows to run, in order, identical on every rank.
@@ -224,6 +231,7 @@ mod tests {
                     small_copy_kernel: false,
                     comm_blocks: Some(12),
                 },
+                pdl: true,
                 timeout_ms: 1000,
                 threads: 2,
                 oversubscribed: false,

@@ -143,9 +143,7 @@ fn open_and_run(ctx: &RankCtx, conn: &Conn, spec: &JobSpec) -> Result<(), RankEr
         Backend::Cuda => {
             // CUDA_VISIBLE_DEVICES (set by the coordinator) makes our device ordinal 0.
             let dev = cuda::CudaDevice::open(0, spec.ipc, &spec.comm)?;
-            // TPRUN_CUDA_PDL=1: decode kernels with programmatic dependent launch (an A/B knob
-            // while it is measured; every rank inherits the coordinator's environment).
-            dev.set_pdl(std::env::var("TPRUN_CUDA_PDL").is_ok_and(|v| v == "1"));
+            dev.set_pdl(spec.pdl);
             run_task(ctx, conn, Arc::new(dev), spec, spin)
         }
         Backend::Hip => Err(RankError::Other(
