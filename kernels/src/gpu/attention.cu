@@ -103,6 +103,12 @@ TP_DEV void attn_load_scalar(const u8* row, u32 c, u32 d, float* f) {
 
 // dot[g] += q[g][c*V ..] . kf for every head of the block (q read as 16-byte words of shared
 // memory, the same address in all lanes of a key group: a broadcast).
+//
+// Fused multiply-adds, written out: the modules compile with --fmad=false (other kernels
+// must match their CPU twins bit for bit), which would make every product here a multiply
+// and an add, and this kernel does G of them per K and V element it reads, enough to make
+// the instruction count rather than memory its limit at G = 4 and 8. The twin's tolerance
+// covers the (smaller) rounding of a fused multiply-add.
 template <class D, int G>
 TP_DEV void attn_dot_pack(const AttnSmem<G>& sm, u32 c, const float* kf, float* dot) {
 #pragma unroll
@@ -113,7 +119,7 @@ TP_DEV void attn_dot_pack(const AttnSmem<G>& sm, u32 c, const float* kf, float* 
         for (int j4 = 0; j4 < D::V; j4 += 4) {
             const V16 qq = *(const V16*)(qg + j4);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) acc += tp_f32_from_bits(qq.w[j]) * kf[j4 + j];
+            for (int j = 0; j < 4; ++j) acc = fmaf(tp_f32_from_bits(qq.w[j]), kf[j4 + j], acc);
         }
         dot[g] = acc;
     }
@@ -274,7 +280,7 @@ TP_DEV void attn_split(const AttnParams& p, AttnSmem<G>& sm, const u8* kh, const
                             for (int g = 0; g < G; ++g) {
                                 const float e = sm.s[g][i];
 #pragma unroll
-                                for (int j = 0; j < D::V; ++j) acc[cc][g][j] += e * vf[j];
+                                for (int j = 0; j < D::V; ++j) acc[cc][g][j] = fmaf(e, vf[j], acc[cc][g][j]);
                             }
                         }
                     }
@@ -295,7 +301,7 @@ TP_DEV void attn_split(const AttnParams& p, AttnSmem<G>& sm, const u8* kh, const
                             for (int g = 0; g < G; ++g) {
                                 const float e = sm.s[g][i];
 #pragma unroll
-                                for (int j = 0; j < D::V; ++j) acc[cc][g][j] += e * vf[j];
+                                for (int j = 0; j < D::V; ++j) acc[cc][g][j] = fmaf(e, vf[j], acc[cc][g][j]);
                             }
                         }
                     }

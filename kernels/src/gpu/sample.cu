@@ -269,8 +269,9 @@ TP_DEV u32 sample_id(float f) {
 
 // One block of TP_TOPK_THREADS. Reads at most 4096 pairs (32 KiB), writes three u32.
 // The block builds the keys of the valid pairs (logit > -inf: padding and NaN dropped, as
-// `pick` filters), sorts them best first (bitonic, in shared memory), and thread 0 runs the
-// sequential rest of `pick` on the best TP_TOPK_MAX, then advances the state.
+// `pick` filters), sorts them best first (bitonic, in shared memory), computes the weights of
+// the best TP_TOPK_MAX in parallel, and thread 0 runs the order-dependent rest of `pick`,
+// then advances the state.
 extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_TOPK_THREADS, 1) sample(SampleParams p) {
     __shared__ u64 keys[TP_SAMPLE_MAX_CANDS];
     __shared__ float w[TP_TOPK_MAX];
@@ -285,28 +286,38 @@ extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_TOPK_THREADS, 1) sample(SamplePar
         keys[i] = key;
     }
     topk_sort_desc(keys, size);
+
+    // pick(cands, params, next). Thread 0 counts the valid candidates (best first, up to
+    // TP_TOPK_MAX) and k; the first k threads compute the weights, each exactly as the
+    // CPU's loop body does; thread 0 then runs the order-dependent sums.
+    __shared__ u32 shared_k;
+    u32 valid = 0, k = 0;
+    const bool greedy = p.temperature <= 0.0f || p.top_k == 1;
+    if (threadIdx.x == 0) {
+        while (valid < TP_TOPK_MAX && valid < size && keys[valid] != 0) ++valid;
+        k = p.top_k == 0 ? (u32)TP_TOPK_MAX : (p.top_k < TP_TOPK_MAX ? p.top_k : (u32)TP_TOPK_MAX);
+        k = k < valid ? k : valid;
+        shared_k = greedy ? 0 : k;
+    }
+    __syncthreads();
+    if (threadIdx.x < shared_k) {
+        // Unnormalised probabilities relative to the best.
+        w[threadIdx.x] = expf((topk_key_logit(keys[threadIdx.x]) - topk_key_logit(keys[0])) / p.temperature);
+    }
+    __syncthreads();
     if (threadIdx.x != 0) return;
 
     u32* state = (u32*)p.state;
     const u32 next = state[1] + 1u;  // wraps as decode.rs's wrapping_add
-    // pick(cands, params, next): valid candidates, best first, counted up to TP_TOPK_MAX.
-    u32 valid = 0;
-    while (valid < TP_TOPK_MAX && valid < size && keys[valid] != 0) ++valid;
     u32 token;
     if (valid == 0) {
         token = 0;
-    } else if (p.temperature <= 0.0f || p.top_k == 1) {
+    } else if (greedy) {
         token = topk_key_id(keys[0]);
     } else {
-        u32 k = p.top_k == 0 ? (u32)TP_TOPK_MAX : (p.top_k < TP_TOPK_MAX ? p.top_k : (u32)TP_TOPK_MAX);
-        k = k < valid ? k : valid;
-        // Unnormalised probabilities relative to the best, summed in order in f32.
-        const float c0 = topk_key_logit(keys[0]);
+        // Summed in order in f32.
         float total = 0.0f;
-        for (u32 i = 0; i < k; ++i) {
-            w[i] = expf((topk_key_logit(keys[i]) - c0) / p.temperature);
-            total += w[i];
-        }
+        for (u32 i = 0; i < k; ++i) total += w[i];
         // Nucleus: the shortest prefix whose share reaches top_p (at least one).
         u32 kept = 0;
         float mass = 0.0f;
