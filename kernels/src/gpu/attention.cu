@@ -130,7 +130,7 @@ TP_DEV void attn_dot_pack(const AttnSmem<G>& sm, u32 c, const float* kf, float* 
 // kv_heads * d elements apart. Needs sm.q loaded and a barrier after it; ends with a barrier.
 //
 // Memory: every K and V element of the split once (2 * n * d * size bytes), in 16-byte loads
-// when VEC, four per thread in flight (16 KiB per block, 32 KiB per SM at two blocks).
+// when VEC, eight per thread in flight (32 KiB per block, 64 KiB per SM at two blocks).
 template <class D, int G, bool VEC>
 TP_DEV void attn_split(const AttnParams& p, AttnSmem<G>& sm, const u8* kh, const u8* vh, u32 t0, u32 n) {
     const u32 d = p.head_dim;
