@@ -365,8 +365,12 @@ TP_DEV AttnHeads attn_heads(const AttnParams& p) {
 // Grid (kv_heads * chunks, splits, rows), TP_ATTN_THREADS threads: the partial state of one
 // split for one head chunk and one row, into the workspace. Reads the split's K and V rows of
 // one KV head once (2 * 256 * d * size bytes; d = 128 bf16: 128 KiB) and writes
-// G * (d + 2) f32. Expected to reach about half of HBM bandwidth when the grid covers the
-// GPU several times (long caches, several KV heads); short sequences are launch-bound.
+// G * (d + 2) f32. Measured on an H200 (eager launches, split + merge, d = 128 bf16, one
+// query at the end of the cache, before the fmaf change): 1.5 TB/s of K+V at 32K positions
+// and 8 KV heads, 1.1 TB/s at 128K and 2 KV heads, i.e. 25-35 % of the 4.26 TB/s copy
+// ceiling; 17 us at 512-4K positions, where that measurement counted host launch time.
+// The instruction count (G multiply-adds per element read) is the suspected limit at G >= 4;
+// not profiled yet.
 template <class D, int G>
 TP_DEV void attn_split_kernel(const AttnParams& p, AttnSmem<G>& sm) {
     const AttnHeads hd = attn_heads(p);

@@ -164,8 +164,10 @@ TP_DEV void topk_write(const TopkParams& p, u32 r, u64 key) {
 }
 
 // One block of TP_TOPK_THREADS. Reads the shard's n logits once for k = 1 (128256 f32 = 501
-// KiB, just written by the LM head, so mostly from L2: a few microseconds, latency-bound in
-// one SM, not a bandwidth kernel), twice for k > 1, 1 + k times in the fallback.
+// KiB, just written by the LM head, so mostly from L2; latency-bound in one SM, not a
+// bandwidth kernel), twice for k > 1, 1 + k times in the fallback. Measured on an H200 with
+// eager launches (host launch time included), n = 128256: 8 us for k = 1, 24-28 us for
+// k = 8 and 64, 1.1 ms for the fallback (k = 64 on adversarial logits).
 //
 // k = 1: each thread keeps its best element (`l > best`: its elements come in increasing
 // id order, so the first of equal logits stays, and NaN never compares greater), then a
