@@ -406,7 +406,7 @@ pub(crate) fn selftest(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::device::Device;
 
@@ -545,9 +545,27 @@ mod tests {
         assert!(bad.is_empty());
     }
 
+    /// Device time of one `op`: 50 of them captured into one graph, replayed (once to warm
+    /// up, then 5 times timed), so that no host launch cost is counted.
+    pub(in crate::cuda) fn graph_time(
+        gpu: &CudaDevice,
+        op: &Op<'_, CudaBuf>,
+    ) -> std::time::Duration {
+        const REPS: u32 = 50;
+        let graph = gpu
+            .capture(&mut || (0..REPS).try_for_each(|_| gpu.run(op)))
+            .unwrap()
+            .unwrap();
+        gpu.replay(&graph).unwrap();
+        gpu.time(&mut || (0..5).try_for_each(|_| gpu.replay(&graph)))
+            .unwrap()
+            / (5 * REPS)
+    }
+
     /// Timings for the report (run with --ignored on a GPU machine): decode attention (one
     /// query at the last position) for Llama-3-8B-like shapes, bf16 cache, split kernels
-    /// and merge, back to back; bandwidth counts the K and V bytes read.
+    /// and merge (or the single kernel), device time from graph replays; bandwidth counts
+    /// the K and V bytes read.
     #[test]
     #[ignore]
     fn attention_timings() {
@@ -594,17 +612,7 @@ mod tests {
                     scale: 0.088,
                     workspace: split.then(|| View::new(&ws, 0, wl, DType::F32)),
                 });
-                gpu.run(&op).unwrap();
-                let iters = 200;
-                let t = gpu
-                    .time(&mut || {
-                        for _ in 0..iters {
-                            gpu.run(&op)?;
-                        }
-                        Ok(())
-                    })
-                    .unwrap()
-                    / iters;
+                let t = graph_time(&gpu, &op);
                 let bytes = 2.0 * (cap * kvh * d * 2) as f64;
                 println!(
                     "TIMING attention {} heads {heads}/{kvh} d {d} bf16 cap {cap} rows {rows}: {:.2} us, {:.0} GB/s of K+V",

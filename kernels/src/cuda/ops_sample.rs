@@ -721,7 +721,7 @@ mod tests {
     }
 
     /// Timings for the report (run with --ignored on a GPU machine): ShardTopK over a 128256
-    /// logits shard (k = 1, 8, 64; random and clustered logits), Sample over 4 × 64 pairs.
+    /// logits shard (k = 1, 8, 64; random and clustered logits), Sample over 4 × 64 pairs; device time from graph replays.
     #[test]
     #[ignore]
     fn sample_timings() {

@@ -103,6 +103,12 @@ TP_DEV void attn_load_scalar(const u8* row, u32 c, u32 d, float* f) {
 
 // dot[g] += q[g][c*V ..] . kf for every head of the block (q read as 16-byte words of shared
 // memory, the same address in all lanes of a key group: a broadcast).
+//
+// Fused multiply-adds, written out: the modules compile with --fmad=false (other kernels
+// must match their CPU twins bit for bit), which would make every product here a multiply
+// and an add, and this kernel does G of them per K and V element it reads, enough to make
+// the instruction count rather than memory its limit at G = 4 and 8. The twin's tolerance
+// covers the (smaller) rounding of a fused multiply-add.
 template <class D, int G>
 TP_DEV void attn_dot_pack(const AttnSmem<G>& sm, u32 c, const float* kf, float* dot) {
 #pragma unroll
@@ -113,7 +119,7 @@ TP_DEV void attn_dot_pack(const AttnSmem<G>& sm, u32 c, const float* kf, float* 
         for (int j4 = 0; j4 < D::V; j4 += 4) {
             const V16 qq = *(const V16*)(qg + j4);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) acc += tp_f32_from_bits(qq.w[j]) * kf[j4 + j];
+            for (int j = 0; j < 4; ++j) acc = fmaf(tp_f32_from_bits(qq.w[j]), kf[j4 + j], acc);
         }
         dot[g] = acc;
     }
@@ -124,7 +130,7 @@ TP_DEV void attn_dot_pack(const AttnSmem<G>& sm, u32 c, const float* kf, float* 
 // kv_heads * d elements apart. Needs sm.q loaded and a barrier after it; ends with a barrier.
 //
 // Memory: every K and V element of the split once (2 * n * d * size bytes), in 16-byte loads
-// when VEC, four per thread in flight (16 KiB per block, 32 KiB per SM at two blocks).
+// when VEC, eight per thread in flight (32 KiB per block, 64 KiB per SM at two blocks).
 template <class D, int G, bool VEC>
 TP_DEV void attn_split(const AttnParams& p, AttnSmem<G>& sm, const u8* kh, const u8* vh, u32 t0, u32 n) {
     const u32 d = p.head_dim;
@@ -274,7 +280,7 @@ TP_DEV void attn_split(const AttnParams& p, AttnSmem<G>& sm, const u8* kh, const
                             for (int g = 0; g < G; ++g) {
                                 const float e = sm.s[g][i];
 #pragma unroll
-                                for (int j = 0; j < D::V; ++j) acc[cc][g][j] += e * vf[j];
+                                for (int j = 0; j < D::V; ++j) acc[cc][g][j] = fmaf(e, vf[j], acc[cc][g][j]);
                             }
                         }
                     }
@@ -295,7 +301,7 @@ TP_DEV void attn_split(const AttnParams& p, AttnSmem<G>& sm, const u8* kh, const
                             for (int g = 0; g < G; ++g) {
                                 const float e = sm.s[g][i];
 #pragma unroll
-                                for (int j = 0; j < D::V; ++j) acc[cc][g][j] += e * vf[j];
+                                for (int j = 0; j < D::V; ++j) acc[cc][g][j] = fmaf(e, vf[j], acc[cc][g][j]);
                             }
                         }
                     }
@@ -359,8 +365,12 @@ TP_DEV AttnHeads attn_heads(const AttnParams& p) {
 // Grid (kv_heads * chunks, splits, rows), TP_ATTN_THREADS threads: the partial state of one
 // split for one head chunk and one row, into the workspace. Reads the split's K and V rows of
 // one KV head once (2 * 256 * d * size bytes; d = 128 bf16: 128 KiB) and writes
-// G * (d + 2) f32. Expected to reach about half of HBM bandwidth when the grid covers the
-// GPU several times (long caches, several KV heads); short sequences are launch-bound.
+// G * (d + 2) f32. Measured on an H200 (eager launches, split + merge, d = 128 bf16, one
+// query at the end of the cache, before the fmaf change): 1.5 TB/s of K+V at 32K positions
+// and 8 KV heads, 1.1 TB/s at 128K and 2 KV heads, i.e. 25-35 % of the 4.26 TB/s copy
+// ceiling; 17 us at 512-4K positions, where that measurement counted host launch time.
+// The instruction count (G multiply-adds per element read) is the suspected limit at G >= 4;
+// not profiled yet.
 template <class D, int G>
 TP_DEV void attn_split_kernel(const AttnParams& p, AttnSmem<G>& sm) {
     const AttnHeads hd = attn_heads(p);
