@@ -136,6 +136,12 @@ pub struct DecodeArgs {
     #[arg(long)]
     pub dump_logits: Option<PathBuf>,
 
+    /// Replay the single-token step as one captured CUDA graph per token (on) or launch its
+    /// kernels one by one (off). Off by default until graph replay has run on a GPU: its one
+    /// H200 run so far stalled (see docs/perf-notes.md).
+    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    pub graph: String,
+
     /// Do not stop at the model's end-of-sequence ids.
     #[arg(long)]
     pub ignore_eos: bool,

@@ -263,6 +263,7 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
         seed: args.seed,
         // A measurement knob (README), read here once so that every rank agrees.
         no_allreduce: std::env::var("TPRUN_BENCH_NO_ALLREDUCE").is_ok_and(|v| v == "1"),
+        graph: args.graph == "on",
     };
     let mut st = Streamer {
         tok,

@@ -67,6 +67,7 @@ pub fn run<D: Device>(
     }
     // Measurement only (wrong tokens at world > 1): the step without its allreduces.
     model.set_no_allreduce(spec.no_allreduce);
+    model.set_graph(spec.graph);
     let mut comm = Communicator::establish(
         dev,
         conn,

@@ -128,6 +128,8 @@ pub struct DecodeSpec {
     /// time what they cost per token; the tokens are wrong at world > 1. Every rank must
     /// agree, or the ones that reduce wait for the ones that do not.
     pub no_allreduce: bool,
+    /// Replay the single-token step as one captured device graph (`--graph on`).
+    pub graph: bool,
 }
 
 /// `bench allreduce`: the rows to run, in order, identical on every rank.

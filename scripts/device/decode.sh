@@ -80,6 +80,9 @@ print(f"tokens equal to reference.json: {got == want} ({len(got)} tokens); "
 sys.exit(0 if got == want else 1)
 PY
         cmp_logits "$out/cuda$r.f32" "$out/cpu1.f32" || fail "cuda$r logits vs cpu"
+        echo "-- cuda ranks $r, the step replayed as one CUDA graph"
+        $bin --backend cuda --ranks $r --devices "$d" --timeout 30 "${common[@]}" --graph on > "$out/cuda$r-graph.json" 2>"$out/cuda$r-graph.err" || { fail "cuda$r graph decode"; tail -3 "$out/cuda$r-graph.err"; continue; }
+        python3 -c "import json;a=json.load(open('$out/cuda$r.json'))['token_ids'];b=json.load(open('$out/cuda$r-graph.json'));print('graph tokens == eager tokens:',a==b['token_ids'],'graph',b['graph'],f\"{b['decode_tokens_per_s']:.0f} tok/s\");exit(0 if a==b['token_ids'] else 1)" || fail "cuda$r graph tokens"
     done
 }
 
@@ -133,12 +136,14 @@ sec_synth() {
 sec_tp1() {
     room 60 tp1 || return 0
     echo "== tprun decode TP=1: 256 tokens after a 128-token prompt"
-    for i in 1 pdl 2; do
+    for i in 1 graph pdl; do
         pdl=0; [ "$i" = pdl ] && pdl=1
-        TPRUN_CUDA_PDL=$pdl $bin --backend cuda --ranks 1 decode --model $m --prompt-file /tmp/prompt.txt --temperature 0 --max-new-tokens 256 --ignore-eos --json > "$out/l8b-tp1-$i.json" 2>"$out/l8b-tp1.err" || { fail "tp1 $i"; tail -5 "$out/l8b-tp1.err"; continue; }
+        graph=off; [ "$i" != 1 ] && graph=on
+        TPRUN_CUDA_PDL=$pdl $bin --backend cuda --ranks 1 --timeout 30 decode --graph $graph --model $m --prompt-file /tmp/prompt.txt --temperature 0 --max-new-tokens 256 --ignore-eos --json > "$out/l8b-tp1-$i.json" 2>"$out/l8b-tp1.err" || { fail "tp1 $i"; tail -5 "$out/l8b-tp1.err"; continue; }
         python3 -c "import json;j=json.load(open('$out/l8b-tp1-$i.json'));print(f\"tprun TP=1 (run $i): {j['decode_tokens_per_s']:.1f} tok/s, p50 {j['token_latency_p50_ms']:.3f} ms, {j['weight_gb_per_s']:.0f} GB/s of weights, graph {j['graph']}, prompt {j['prefill_tokens']} in {j['prefill_s']*1e3:.0f} ms, load {j['load_s']:.1f} s {j['load_gb_per_s']:.1f} GB/s, device {j['device_bytes_per_rank']/1e9:.1f} GB\")"
     done
-    python3 -c "import json;a=json.load(open('$out/l8b-tp1-1.json'))['token_ids'];b=json.load(open('$out/l8b-tp1-pdl.json'))['token_ids'];print('PDL tokens == plain tokens:',a==b)" || fail "pdl tokens"
+    python3 -c "import json;a=json.load(open('$out/l8b-tp1-graph.json'))['token_ids'];b=json.load(open('$out/l8b-tp1-pdl.json'))['token_ids'];print('PDL tokens == plain tokens:',a==b)" || fail "pdl tokens"
+    python3 -c "import json;a=json.load(open('$out/l8b-tp1-1.json'))['token_ids'];b=json.load(open('$out/l8b-tp1-graph.json'))['token_ids'];print('graph tokens == eager tokens:',a==b)" || fail "graph tokens"
 }
 
 sec_copy() {

@@ -178,6 +178,8 @@ pub struct Model<D: Device> {
     state_bytes: u64,
     /// Measurement only ([`Model::set_no_allreduce`]).
     no_allreduce: bool,
+    /// Whether [`Model::decode`] captures the step as a graph ([`Model::set_graph`]).
+    use_graph: bool,
     /// The captured single-token step, and the allreduces it holds.
     graph: Option<(D::Graph, u32, SampleParams)>,
 }
@@ -189,6 +191,18 @@ pub struct DecodeInfo {
     pub graph: bool,
     /// Collective calls per step.
     pub allreduces: u32,
+}
+
+impl<D: Device> Drop for Model<D> {
+    fn drop(&mut self) {
+        // A graph must not be destroyed while a replay of it is queued (an error can leave one
+        // queued): wait for the device first. Never panics; a failure can only be logged.
+        if self.graph.is_some() {
+            if let Err(e) = self.dev.sync() {
+                tracing::warn!("model drop: device sync: {e}");
+            }
+        }
+    }
 }
 
 fn f32v<B>(b: &B, len: usize) -> View<'_, B> {
@@ -285,6 +299,13 @@ impl<D: Device> Model<D> {
         self.graph = None;
     }
 
+    /// Whether [`Model::decode`] replays the step as one captured graph (where the device
+    /// has graphs) or runs its ops one by one (default: graphs).
+    pub fn set_graph(&mut self, on: bool) {
+        self.use_graph = on;
+        self.graph = None;
+    }
+
     /// Weight bytes moved to the device at load.
     pub fn load_bytes(&self) -> u64 {
         self.load_bytes
@@ -360,6 +381,7 @@ impl<D: Device> Model<D> {
         let state_bytes = Self::state_bytes(&cfg, &plan, opts)?;
         Ok(Model {
             no_allreduce: false,
+            use_graph: true,
             load_bytes: 0,
             state_bytes,
             logits: vec![0.0; cfg.vocab],
@@ -648,7 +670,7 @@ impl<D: Device> Model<D> {
         }
         let capturable =
             comm.capturable(self.cfg.hidden * 4) && comm.capturable(self.plan.world * 2 * TOPK * 4);
-        if capturable && self.graph.as_ref().is_none_or(|g| g.2 != *p) {
+        if self.use_graph && capturable && self.graph.as_ref().is_none_or(|g| g.2 != *p) {
             self.graph = None;
             let e0 = comm.epoch();
             let captured = {
