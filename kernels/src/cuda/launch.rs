@@ -555,18 +555,7 @@ mod tests {
     fn cu_defines_match_rust_constants() {
         let comm = program::SOURCES[1].1;
         let reduce = program::SOURCES[0].1;
-        let def = |src: &str, name: &str| -> String {
-            let line = src
-                .lines()
-                .find(|l| l.starts_with(&format!("#define {name} ")))
-                .unwrap_or_else(|| panic!("{name} not defined"));
-            line[format!("#define {name} ").len()..]
-                .split("//")
-                .next()
-                .unwrap()
-                .trim()
-                .to_string()
-        };
+        let def = |src: &str, name: &str| crate::cuda::twin::testing::cu_define(src, name);
         assert_eq!(def(comm, "TP_MAX_WORLD"), MAX_WORLD.to_string());
         assert_eq!(def(comm, "TP_MAX_BLOCKS"), MAX_BLOCKS.to_string());
         assert_eq!(def(comm, "TP_AR_THREADS"), AR_THREADS.to_string());

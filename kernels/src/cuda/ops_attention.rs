@@ -442,18 +442,7 @@ pub(super) mod tests {
     #[test]
     fn cu_defines_match_rust_constants() {
         let src = super::super::program::SOURCES[Module::Attention as usize].1;
-        let def = |name: &str| -> String {
-            let line = src
-                .lines()
-                .find(|l| l.starts_with(&format!("#define {name} ")))
-                .unwrap_or_else(|| panic!("{name}"));
-            line[format!("#define {name} ").len()..]
-                .split("//")
-                .next()
-                .unwrap()
-                .trim()
-                .to_string()
-        };
+        let def = |name: &str| crate::cuda::twin::testing::cu_define(src, name);
         assert_eq!(def("TP_ATTN_SPLIT"), ATTN_SPLIT.to_string());
         assert_eq!(def("TP_ATTN_THREADS"), THREADS.to_string());
         assert_eq!(def("TP_ATTN_MERGE_THREADS"), MERGE_THREADS.to_string());
@@ -512,37 +501,16 @@ pub(super) mod tests {
         }
     }
 
-    /// The device, or None after printing "skipped: no GPU" (a panic under
-    /// `TPRUN_REQUIRE_GPU=1`), as cuda/selftest.rs's tests do.
-    fn gpu_or_skip() -> Option<CudaDevice> {
-        if crate::cuda::device_count() > 0 && crate::cuda::nvrtc_present() {
-            return Some(CudaDevice::new(0, crate::cuda::IpcMode::Auto).unwrap());
-        }
-        assert!(
-            std::env::var("TPRUN_REQUIRE_GPU").as_deref() != Ok("1"),
-            "TPRUN_REQUIRE_GPU=1 but no usable CUDA GPU"
-        );
-        println!("skipped: no GPU");
-        None
-    }
-
     /// Every twin case on a GPU, when there is one (`TPRUN_REQUIRE_GPU=1` makes its absence a
     /// failure).
     #[test]
     fn attention_twins_on_the_gpu() {
-        let Some(gpu) = gpu_or_skip() else { return };
+        let Some(gpu) = crate::cuda::twin::testing::gpu_or_skip() else {
+            return;
+        };
         let cpu = CpuDevice::new(0, 2, 0);
         let results = selftest(&gpu, &cpu, 1).unwrap();
-        let bad: Vec<_> = results.iter().filter(|r| !r.ok).collect();
-        println!(
-            "attention twins: {} cases, {} failed",
-            results.len(),
-            bad.len()
-        );
-        for r in &bad {
-            println!("FAIL {}: {}", r.op, r.detail);
-        }
-        assert!(bad.is_empty());
+        crate::cuda::twin::testing::assert_all_ok("attention", &results);
     }
 
     /// Device time of one `op`: 50 of them captured into one graph, replayed (once to warm
@@ -569,7 +537,9 @@ pub(super) mod tests {
     #[test]
     #[ignore]
     fn attention_timings() {
-        let Some(gpu) = gpu_or_skip() else { return };
+        let Some(gpu) = crate::cuda::twin::testing::gpu_or_skip() else {
+            return;
+        };
         for (heads, kvh, cap, rows) in [
             (32usize, 8usize, 4096usize, 1usize),
             (32, 8, 32_768, 1),

@@ -1118,13 +1118,7 @@ mod tests {
 
     #[test]
     fn cu_defines_match_rust_constants() {
-        let def = |name: &str| -> String {
-            let line = SOURCE
-                .lines()
-                .find(|l| l.starts_with(&format!("#define {name} ")))
-                .unwrap_or_else(|| panic!("{name} not defined"));
-            line[format!("#define {name} ").len()..].trim().to_string()
-        };
+        let def = |name: &str| crate::cuda::twin::testing::cu_define(SOURCE, name);
         assert_eq!(def("TP_NORM_THREADS"), NORM_THREADS.to_string());
         assert_eq!(def("TP_PAIR_THREADS"), PAIR_THREADS.to_string());
         assert_eq!(def("TP_THREADS"), THREADS.to_string());

@@ -397,18 +397,7 @@ mod tests {
     #[test]
     fn cu_defines_match_rust_constants() {
         let src = super::super::program::SOURCES[Module::Gemv as usize].1;
-        let def = |name: &str| -> String {
-            let line = src
-                .lines()
-                .find(|l| l.starts_with(&format!("#define {name} ")))
-                .unwrap_or_else(|| panic!("{name} not defined"));
-            line[format!("#define {name} ").len()..]
-                .split("//")
-                .next()
-                .unwrap()
-                .trim()
-                .to_string()
-        };
+        let def = |name: &str| crate::cuda::twin::testing::cu_define(src, name);
         assert_eq!(def("TP_GEMV_ROWS"), ROWS.to_string());
         assert_eq!(def("TP_GEMV_ROWS_SILU"), ROWS_SILU.to_string());
         assert_eq!(def("TP_GEMV_TOKENS"), TOKENS.to_string());
@@ -542,28 +531,11 @@ mod tests {
     /// "skipped: no GPU" otherwise, a failure under TPRUN_REQUIRE_GPU=1.
     #[test]
     fn gpu_matmul_matches_cpu_twin() {
-        if crate::cuda::device_count() == 0 || !crate::cuda::nvrtc_present() {
-            assert!(
-                std::env::var("TPRUN_REQUIRE_GPU").as_deref() != Ok("1"),
-                "TPRUN_REQUIRE_GPU=1 but no usable CUDA GPU (driver + NVRTC)"
-            );
-            println!("skipped: no GPU");
+        let Some(gpu) = crate::cuda::twin::testing::gpu_or_skip() else {
             return;
-        }
-        let gpu = CudaDevice::new(0, crate::cuda::IpcMode::Fd).unwrap();
+        };
         let cpu = CpuDevice::new(0, 4, 0);
-        let t = std::time::Instant::now();
         let res = selftest(&gpu, &cpu, 0x0074_7072_756e).unwrap();
-        let bad: Vec<_> = res.iter().filter(|r| !r.ok).collect();
-        println!(
-            "matmul twins: {} checks, {} failed, {:?}",
-            res.len(),
-            bad.len(),
-            t.elapsed()
-        );
-        for b in &bad {
-            println!("FAIL {}: {}", b.op, b.detail);
-        }
-        assert!(bad.is_empty());
+        crate::cuda::twin::testing::assert_all_ok("matmul", &res);
     }
 }

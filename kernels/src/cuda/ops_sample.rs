@@ -572,18 +572,7 @@ mod tests {
                 "{name} not in sample.cu"
             );
         }
-        let def = |name: &str| -> String {
-            let line = src
-                .lines()
-                .find(|l| l.starts_with(&format!("#define {name} ")))
-                .unwrap_or_else(|| panic!("{name}"));
-            line[format!("#define {name} ").len()..]
-                .split("//")
-                .next()
-                .unwrap()
-                .trim()
-                .to_string()
-        };
+        let def = |name: &str| crate::cuda::twin::testing::cu_define(src, name);
         assert_eq!(def("TP_TOPK_THREADS"), THREADS.to_string());
         assert_eq!(def("TP_TOPK_MAX"), TOPK_MAX.to_string());
         assert_eq!(def("TP_SAMPLE_MAX_CANDS"), MAX_CANDS.to_string());
@@ -690,34 +679,15 @@ mod tests {
         assert!(v.iter().filter(|&&x| x >= tau).count() > 2048);
     }
 
-    fn gpu_or_skip() -> Option<CudaDevice> {
-        if crate::cuda::device_count() > 0 && crate::cuda::nvrtc_present() {
-            return Some(CudaDevice::new(0, crate::cuda::IpcMode::Auto).unwrap());
-        }
-        assert!(
-            std::env::var("TPRUN_REQUIRE_GPU").as_deref() != Ok("1"),
-            "TPRUN_REQUIRE_GPU=1 but no usable CUDA GPU"
-        );
-        println!("skipped: no GPU");
-        None
-    }
-
     /// Every twin case on a GPU, when there is one.
     #[test]
     fn sample_twins_on_the_gpu() {
-        let Some(gpu) = gpu_or_skip() else { return };
+        let Some(gpu) = crate::cuda::twin::testing::gpu_or_skip() else {
+            return;
+        };
         let cpu = CpuDevice::new(0, 2, 0);
         let results = selftest(&gpu, &cpu, 1).unwrap();
-        let bad: Vec<_> = results.iter().filter(|r| !r.ok).collect();
-        println!(
-            "sample twins: {} cases, {} failed",
-            results.len(),
-            bad.len()
-        );
-        for r in &bad {
-            println!("FAIL {}: {}", r.op, r.detail);
-        }
-        assert!(bad.is_empty());
+        crate::cuda::twin::testing::assert_all_ok("sample", &results);
     }
 
     /// Timings for the report (run with --ignored on a GPU machine): ShardTopK over a 128256
@@ -725,7 +695,9 @@ mod tests {
     #[test]
     #[ignore]
     fn sample_timings() {
-        let Some(gpu) = gpu_or_skip() else { return };
+        let Some(gpu) = crate::cuda::twin::testing::gpu_or_skip() else {
+            return;
+        };
         let n = 128_256;
         for (k, logits) in [
             (1usize, Logits::Random),

@@ -711,7 +711,7 @@ pub fn selftest(ordinal: usize, mode: IpcMode, seed: u64) -> Result<Vec<Selftest
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// None when the test should be skipped (no GPU), after saying so; panics instead when

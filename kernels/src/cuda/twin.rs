@@ -185,3 +185,47 @@ pub(crate) fn cases(gpu: &CudaDevice, cpu: &CpuDevice, seed: u64) -> Result<Vec<
     out.extend(super::ops_sample::selftest(gpu, cpu, seed)?);
     Ok(out)
 }
+
+/// Helpers the op families' tests share.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::super::CudaDevice;
+    use super::SelftestResult;
+
+    /// The value of `#define NAME value` in a kernel source (a trailing `//` comment cut), so
+    /// that tests can hold the Rust mirrors of the sources' constants to them.
+    pub(crate) fn cu_define(src: &str, name: &str) -> String {
+        let head = format!("#define {name} ");
+        let line = src
+            .lines()
+            .find(|l| l.starts_with(&head))
+            .unwrap_or_else(|| panic!("{name} not defined"));
+        line[head.len()..]
+            .split("//")
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_string()
+    }
+
+    /// The GPU, or None after printing "skipped: no GPU" (a panic under
+    /// `TPRUN_REQUIRE_GPU=1`).
+    pub(crate) fn gpu_or_skip() -> Option<CudaDevice> {
+        super::super::selftest::tests::gpu_or_skip()?;
+        Some(CudaDevice::new(0, crate::cuda::IpcMode::Auto).expect("a usable GPU"))
+    }
+
+    /// Prints the count and every failure of a family's twin cases, and fails on any.
+    pub(crate) fn assert_all_ok(what: &str, results: &[SelftestResult]) {
+        let bad: Vec<_> = results.iter().filter(|r| !r.ok).collect();
+        println!(
+            "{what} twins: {} cases, {} failed",
+            results.len(),
+            bad.len()
+        );
+        for r in &bad {
+            println!("FAIL {}: {}", r.op, r.detail);
+        }
+        assert!(bad.is_empty());
+    }
+}
