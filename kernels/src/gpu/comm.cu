@@ -343,6 +343,35 @@ TP_DEV void tp_ll_recv(const ArParams& a, u64* l, u32 flag, u32 peer, u64 e, u32
     tp_st_ll(l, 0ull, 0ull);
 }
 
+// Sends lines first, first + step, ... of our message (`bytes` bytes at `data`) to every
+// peer's region `rank` of low-latency slot `slot`, data and flag in each 8-byte word.
+TP_DEV void tp_ll_send(const ArParams& a, const u8* data, u64 bytes, u64 lines, u64 slot,
+                       u32 flag, u64 first, u64 step) {
+    for (u64 k = first; k < lines; k += step) {
+        const u32 w0 = tp_ld_msg_word(data, 2 * k, bytes);
+        const u32 w1 = tp_ld_msg_word(data, 2 * k + 1, bytes);
+        for (u32 p = 0; p < a.world; ++p) {
+            if (p == a.rank) continue;
+            u64* l = (u64*)(a.comm[p] + slot + (u64)a.rank * a.ll_stride + k * 16);
+            tp_st_ll(l, tp_ll_word(w0, flag), tp_ll_word(w1, flag));
+        }
+    }
+}
+
+// Line k of rank p's message: our own read again from `data` (the calling thread is the only
+// one that writes line k of `data`, and only after its last source), a peer's received from
+// our slot (waiting for it, then clearing it).
+TP_DEV void tp_ll_line(const ArParams& a, const u8* data, u64 bytes, u64 slot, u32 flag, u64 e,
+                       u32 p, u64 k, u32& w0, u32& w1) {
+    if (p == a.rank) {
+        w0 = tp_ld_msg_word(data, 2 * k, bytes);
+        w1 = tp_ld_msg_word(data, 2 * k + 1, bytes);
+    } else {
+        u64* l = (u64*)(a.comm[a.rank] + slot + (u64)p * a.ll_stride + k * 16);
+        tp_ll_recv(a, l, flag, p, e, w0, w1);
+    }
+}
+
 template <class D>
 TP_DEV void oneshot_ll(const ArParams& a) {
     const u64 e = tp_begin(a);
@@ -357,29 +386,13 @@ TP_DEV void oneshot_ll(const ArParams& a) {
     const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     // Send every line we own to every peer first, so that all stores are in flight before
     // the first poll.
-    for (u64 k = first; k < lines; k += step) {
-        const u32 w0 = tp_ld_msg_word(data, 2 * k, bytes);
-        const u32 w1 = tp_ld_msg_word(data, 2 * k + 1, bytes);
-        for (u32 p = 0; p < a.world; ++p) {
-            if (p == a.rank) continue;
-            u64* l = (u64*)(a.comm[p] + slot + (u64)a.rank * a.ll_stride + k * 16);
-            tp_st_ll(l, tp_ll_word(w0, flag), tp_ll_word(w1, flag));
-        }
-    }
+    tp_ll_send(a, data, bytes, lines, slot, flag, first, step);
     constexpr int E = 2 * D::PER_WORD;  // elements per line
     for (u64 k = first; k < lines; k += step) {
         float acc[E];
         for (u32 p = 0; p < a.world; ++p) {
             u32 w0, w1;
-            if (p == a.rank) {
-                // Our own part, read again: this thread is the only one that writes line k of
-                // `data`, and it does so below, after the last source.
-                w0 = tp_ld_msg_word(data, 2 * k, bytes);
-                w1 = tp_ld_msg_word(data, 2 * k + 1, bytes);
-            } else {
-                u64* l = (u64*)(a.comm[a.rank] + slot + (u64)p * a.ll_stride + k * 16);
-                tp_ll_recv(a, l, flag, p, e, w0, w1);
-            }
+            tp_ll_line(a, data, bytes, slot, flag, e, p, k, w0, w1);
             float x[E];
             D::unword(w0, x);
             D::unword(w1, x + D::PER_WORD);
@@ -459,15 +472,7 @@ TP_DEV void oneshot_ll_addnorm(const ArParams& a) {
     const u64 slot = a.ll + (e & 1u) * a.ll_slot_bytes;
     const u8* data = (const u8*)a.data;
     const u32 t = threadIdx.x;
-    for (u64 k = t; k < lines; k += blockDim.x) {
-        const u32 w0 = tp_ld_msg_word(data, 2 * k, bytes);
-        const u32 w1 = tp_ld_msg_word(data, 2 * k + 1, bytes);
-        for (u32 p = 0; p < a.world; ++p) {
-            if (p == a.rank) continue;
-            u64* l = (u64*)(a.comm[p] + slot + (u64)a.rank * a.ll_stride + k * 16);
-            tp_st_ll(l, tp_ll_word(w0, flag), tp_ll_word(w1, flag));
-        }
-    }
+    tp_ll_send(a, data, bytes, lines, slot, flag, t, blockDim.x);
     float* x = (float*)a.norm.x;
     float keep[2 * TP_NORM_MAX_LINES];
     float ss = 0.0f;
@@ -476,13 +481,7 @@ TP_DEV void oneshot_ll_addnorm(const ArParams& a) {
         float acc[2];
         for (u32 p = 0; p < a.world; ++p) {
             u32 w0, w1;
-            if (p == a.rank) {
-                w0 = tp_ld_msg_word(data, 2 * k, bytes);
-                w1 = tp_ld_msg_word(data, 2 * k + 1, bytes);
-            } else {
-                u64* l = (u64*)(a.comm[a.rank] + slot + (u64)p * a.ll_stride + k * 16);
-                tp_ll_recv(a, l, flag, p, e, w0, w1);
-            }
+            tp_ll_line(a, data, bytes, slot, flag, e, p, k, w0, w1);
             // Rank order, accumulator starting at rank 0's value (elem.h's sum order).
             const float v0 = tp_f32_from_bits(w0), v1 = tp_f32_from_bits(w1);
             acc[0] = p == 0 ? v0 : acc[0] + v0;
