@@ -394,6 +394,9 @@ struct Staging {
 pub struct CudaGraph {
     graph: sys::CUgraph,
     exec: sys::CUgraphExec,
+    /// Keeps the context (and its modules' lifetime owner) alive and current-able until the
+    /// graph is destroyed: a graph must go before the context its kernels live in.
+    ctx: Arc<CudaContext>,
 }
 
 // SAFETY: graph handles are plain driver objects, usable from any thread of the process.
@@ -401,7 +404,12 @@ unsafe impl Send for CudaGraph {}
 
 impl Drop for CudaGraph {
     fn drop(&mut self) {
-        // SAFETY: created by `capture`, destroyed once; no replay is pending (see above).
+        if let Err(e) = self.ctx.bind_to_thread() {
+            tracing::warn!("destroying a graph: cannot bind its context: {e:?}");
+            return;
+        }
+        // SAFETY: created by `capture`, destroyed once, in its live context; no replay is
+        // pending (see above).
         unsafe {
             let _ = dr::graph::exec_destroy(self.exec);
             let _ = dr::graph::destroy(self.graph);
@@ -514,7 +522,11 @@ impl Device for CudaDevice {
         let graph = graph?;
         // SAFETY: `graph` is the complete graph captured above.
         match unsafe { dr::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) } {
-            Ok(exec) => Ok(Some(CudaGraph { graph, exec })),
+            Ok(exec) => Ok(Some(CudaGraph {
+                graph,
+                exec,
+                ctx: self.ctx.clone(),
+            })),
             Err(e) => {
                 // SAFETY: created above, destroyed once.
                 let _ = unsafe { dr::graph::destroy(graph) };

@@ -195,12 +195,16 @@ pub struct DecodeInfo {
 
 impl<D: Device> Drop for Model<D> {
     fn drop(&mut self) {
-        // A graph must not be destroyed while a replay of it is queued (an error can leave one
-        // queued): wait for the device first. Never panics; a failure can only be logged.
+        // The graph goes first, while the device (declared first, so dropped first among the
+        // fields, and possibly its last owner) is alive: a graph destroyed after its context
+        // was released is a use-after-free in the driver, which hung the first H200 run at
+        // exit. And not while a replay of it is queued (an error can leave one queued): wait
+        // for the device before. Never panics; a failure can only be logged.
         if self.graph.is_some() {
             if let Err(e) = self.dev.sync() {
                 tracing::warn!("model drop: device sync: {e}");
             }
+            self.graph = None;
         }
     }
 }
