@@ -129,6 +129,77 @@ fn synthetic_models_give_the_same_tokens_at_every_world_size() {
     env.assert_clean();
 }
 
+/// `--dump-logits`: one full-vocab f32 row per generated token, the row's argmax being the
+/// token (greedy), identical across world sizes to the last bits of the sums; and the step
+/// replayed as a graph where there are none (CPU) runs the ops one by one, same tokens.
+#[test]
+fn dump_logits_writes_a_row_per_token_and_graph_mode_agrees() {
+    let env = Env::new("dump");
+    let model = synth(&env, "qwen3", "f32");
+    let mut rows = Vec::new();
+    for world in [1usize, 2] {
+        let f = env.dir.join(format!("logits-{world}.f32"));
+        let args = [
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "6",
+            "--ignore-eos",
+            "--dump-logits",
+            f.to_str().unwrap(),
+        ];
+        let v = decode_json(&env, world, &model, &args);
+        let toks = ids(&v["token_ids"]);
+        let bytes = std::fs::read(&f).unwrap();
+        let vals: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        assert_eq!(vals.len() % toks.len(), 0);
+        let vocab = vals.len() / toks.len();
+        for (row, &t) in vals.chunks_exact(vocab).zip(&toks) {
+            let best = row
+                .iter()
+                .enumerate()
+                .fold(0, |b, (i, &x)| if x > row[b] { i } else { b });
+            assert_eq!(best as u64, t, "world {world}");
+        }
+        rows.push(vals);
+        let g = decode_json(
+            &env,
+            world,
+            &model,
+            &[
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "6",
+                "--ignore-eos",
+                "--graph",
+                "on",
+            ],
+        );
+        assert_eq!(ids(&g["token_ids"]), toks, "graph on, world {world}");
+        assert_eq!(g["graph"], false, "no graphs on the cpu backend");
+    }
+    let diff = rows[0]
+        .iter()
+        .zip(&rows[1])
+        .map(|(a, b)| (a - b).abs() / (1.0 + b.abs()))
+        .fold(0f32, f32::max);
+    assert!(diff < 1e-5, "world 1 vs 2: {diff}");
+    std::fs::remove_dir_all(&model).unwrap();
+    for d in std::fs::read_dir(&env.dir).unwrap() {
+        let p = d.unwrap().path();
+        if p.is_dir() {
+            std::fs::remove_dir_all(p).unwrap();
+        } else {
+            std::fs::remove_file(p).unwrap();
+        }
+    }
+    env.assert_clean();
+}
+
 #[test]
 fn default_model_streams_text_and_a_summary() {
     let env = Env::new("default");
@@ -274,6 +345,14 @@ fn bad_input_fails_with_one_clear_line() {
 
     let missing = env.dir.join("does-not-exist");
     expect_error(&env, &missing, 1, &[], "does-not-exist");
+
+    // The decode flags' own bounds, each named where it enters.
+    expect_error(&env, &good, 1, &["--kv-dtype", "u32"], "--kv-dtype");
+    expect_error(&env, &good, 1, &["--top-k", "65"], "--top-k");
+    expect_error(&env, &good, 1, &["--max-seq", "0"], "--max-seq");
+    // A KV cache that cannot be allocated: one line naming the bytes, nothing left behind.
+    expect_error(&env, &good, 2, &["--max-seq", "5000000000"], "--max-seq");
+    expect_error(&env, &good, 1, &["--max-seq", "2000000000"], "bytes");
 
     for d in std::fs::read_dir(&env.dir).unwrap() {
         std::fs::remove_dir_all(d.unwrap().path()).unwrap();
