@@ -300,6 +300,7 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
         step_bytes,
         graph,
         allreduces_per_step,
+        launches_per_step,
     }) = st.stats
     else {
         return Err(bad("rank 0 finished without reporting statistics"));
@@ -332,6 +333,7 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
             "kv_dtype": kv_dtype.name(),
             "graph": graph,
             "allreduces_per_step": allreduces_per_step,
+            "kernel_launches_per_token": launches_per_step,
             "step_weight_bytes_rank0": step_bytes,
             "weight_gb_per_s": step_gbps,
             "prefill_tokens": prompt_tokens,

@@ -234,6 +234,12 @@ pub trait Device: Send + Sync + 'static {
     /// Maps a peer's shareable buffer into this process.
     fn import(&self, export: Export) -> Result<Self::Buf>;
 
+    /// Kernel launches this device has queued or captured so far (GPU backends; 0 on the CPU,
+    /// which runs ops as calls).
+    fn launches(&self) -> u64 {
+        0
+    }
+
     /// (free, total) bytes of device memory, where the backend can tell (GPUs).
     fn mem_info(&self) -> Option<(u64, u64)> {
         None

@@ -138,6 +138,7 @@ pub fn run<D: Device>(
                 step_bytes: model.step_bytes(),
                 graph: stats.graph,
                 allreduces_per_step: stats.allreduces_per_step,
+                launches_per_step: stats.launches_per_step,
             },
         )?;
     }

@@ -206,6 +206,8 @@ pub enum Report {
         graph: bool,
         /// Collective calls per decode step.
         allreduces_per_step: u32,
+        /// Kernel launches per decode step (GPU backends; 0 on the CPU).
+        launches_per_step: u64,
     },
 }
 

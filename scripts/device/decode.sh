@@ -140,7 +140,7 @@ sec_tp1() {
         pdl=0; [ "$i" = pdl ] && pdl=1
         graph=off; [ "$i" != 1 ] && graph=on
         TPRUN_CUDA_PDL=$pdl $bin --backend cuda --ranks 1 --timeout 30 decode --graph $graph --model $m --prompt-file /tmp/prompt.txt --temperature 0 --max-new-tokens 256 --ignore-eos --json > "$out/l8b-tp1-$i.json" 2>"$out/l8b-tp1.err" || { fail "tp1 $i"; tail -5 "$out/l8b-tp1.err"; continue; }
-        python3 -c "import json;j=json.load(open('$out/l8b-tp1-$i.json'));print(f\"tprun TP=1 (run $i): {j['decode_tokens_per_s']:.1f} tok/s, p50 {j['token_latency_p50_ms']:.3f} ms, {j['weight_gb_per_s']:.0f} GB/s of weights, graph {j['graph']}, prompt {j['prefill_tokens']} in {j['prefill_s']*1e3:.0f} ms, load {j['load_s']:.1f} s {j['load_gb_per_s']:.1f} GB/s, device {j['device_bytes_per_rank']/1e9:.1f} GB\")"
+        python3 -c "import json;j=json.load(open('$out/l8b-tp1-$i.json'));print(f\"tprun TP=1 (run $i): {j['decode_tokens_per_s']:.1f} tok/s, p50 {j['token_latency_p50_ms']:.3f} ms, {j['weight_gb_per_s']:.0f} GB/s of weights, graph {j['graph']}, {j['kernel_launches_per_token']} launches/token, prompt {j['prefill_tokens']} in {j['prefill_s']*1e3:.0f} ms, load {j['load_s']:.1f} s {j['load_gb_per_s']:.1f} GB/s, device {j['device_bytes_per_rank']/1e9:.1f} GB\")"
     done
     python3 -c "import json;a=json.load(open('$out/l8b-tp1-graph.json'))['token_ids'];b=json.load(open('$out/l8b-tp1-pdl.json'))['token_ids'];print('PDL tokens == plain tokens:',a==b)" || fail "pdl tokens"
     python3 -c "import json;a=json.load(open('$out/l8b-tp1-1.json'))['token_ids'];b=json.load(open('$out/l8b-tp1-graph.json'))['token_ids'];print('graph tokens == eager tokens:',a==b)" || fail "graph tokens"

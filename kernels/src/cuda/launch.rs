@@ -250,6 +250,8 @@ pub(crate) struct Launcher<'a> {
     /// Decode kernels launched with programmatic stream serialization (sm_90+; every decode
     /// kernel calls tp_pdl_wait() before reading what an earlier kernel wrote).
     pub pdl: bool,
+    /// Kernel launches so far on this device (`Device::launches`).
+    pub launches: &'a std::sync::atomic::AtomicU64,
 }
 
 impl Launcher<'_> {
@@ -257,6 +259,9 @@ impl Launcher<'_> {
     /// `params` is the exact parameter struct of kernel `name`, and every device address in it
     /// stays valid until the stream passes this launch.
     unsafe fn launch<P>(&self, name: &str, grid: u32, block: u32, params: &mut P) -> Result<()> {
+        // Relaxed: a statistic, read by the same thread after the op returns.
+        self.launches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let f = self.kernels.get(name);
         let mut args = [(params as *mut P).cast::<c_void>()];
         // SAFETY: per the contract; cuLaunchKernel copies the parameter values before it
@@ -288,6 +293,9 @@ impl Launcher<'_> {
         smem: u32,
         params: &mut P,
     ) -> Result<()> {
+        // Relaxed: a statistic, read by the same thread after the op returns.
+        self.launches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut args = [(params as *mut P).cast::<c_void>()];
         let grid = (grid.0.max(1), grid.1.max(1), grid.2.max(1));
         if self.pdl {

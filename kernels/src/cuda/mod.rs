@@ -71,6 +71,8 @@ pub struct CudaDevice {
     pdl: AtomicBool,
     /// Compute capability, major version.
     cc_major: i32,
+    /// Kernel launches queued (or captured) so far.
+    launches: AtomicU64,
     /// The timeout of the last allreduce queued, for the error message.
     last_timeout_ns: AtomicU64,
     err: HostWords,
@@ -144,6 +146,7 @@ impl CudaDevice {
             small_copy_kernel: comm.small_copy_kernel,
             pdl: AtomicBool::new(false),
             cc_major: cc.0,
+            launches: AtomicU64::new(0),
             last_timeout_ns: AtomicU64::new(0),
             err,
             staging: std::sync::Mutex::new(None),
@@ -262,6 +265,7 @@ impl CudaDevice {
             err_words: self.err.device_addr(),
             // Relaxed: a plain setting, like comm_blocks.
             pdl: self.pdl.load(Ordering::Relaxed),
+            launches: &self.launches,
         }
     }
 
@@ -550,6 +554,11 @@ impl Device for CudaDevice {
             .synchronize()
             .map_err(driver_err("cuEventSynchronize"))?;
         self.take_device_error()
+    }
+
+    fn launches(&self) -> u64 {
+        // Relaxed: a statistic.
+        self.launches.load(Ordering::Relaxed)
     }
 
     fn mem_info(&self) -> Option<(u64, u64)> {

@@ -191,6 +191,8 @@ pub struct DecodeInfo {
     pub graph: bool,
     /// Collective calls per step.
     pub allreduces: u32,
+    /// Kernel launches one step makes (GPU backends; 0 on the CPU).
+    pub launches: u64,
 }
 
 impl<D: Device> Drop for Model<D> {
@@ -677,6 +679,7 @@ impl<D: Device> Model<D> {
         if self.use_graph && capturable && self.graph.as_ref().is_none_or(|g| g.2 != *p) {
             self.graph = None;
             let e0 = comm.epoch();
+            let l0 = self.dev.launches();
             let captured = {
                 let this = &*self;
                 this.dev.capture(&mut || {
@@ -690,6 +693,7 @@ impl<D: Device> Model<D> {
             let n = comm.epoch().wrapping_sub(e0);
             comm.set_epoch(e0);
             self.graph = captured.map(|g| (g, n, *p));
+            info.launches = self.dev.launches() - l0;
         }
         info.graph = self.graph.is_some();
         let queue = |this: &Self, comm: &mut dyn Collectives<D>| -> Result<D::Mark, RankError> {
@@ -704,7 +708,11 @@ impl<D: Device> Model<D> {
         };
         let e0 = comm.epoch();
         let mut pending = std::collections::VecDeque::new();
+        let l0 = self.dev.launches();
         pending.push_back(queue(self, comm)?);
+        if self.graph.is_none() {
+            info.launches = self.dev.launches() - l0;
+        }
         let mut done = 0;
         while let Some(mark) = pending.pop_front() {
             if done + pending.len() + 1 < max {

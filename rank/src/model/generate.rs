@@ -33,6 +33,8 @@ pub struct GenerateStats {
     pub graph: bool,
     /// Collective calls per decode step.
     pub allreduces_per_step: u32,
+    /// Kernel launches per decode step (GPU backends).
+    pub launches_per_step: u64,
 }
 
 impl GenerateStats {
@@ -86,6 +88,7 @@ pub fn generate<D: Device>(
         let info = model.decode(comm, &p, budget - 1, &mut |t| take(t, &mut st))?;
         st.graph = info.graph;
         st.allreduces_per_step = info.allreduces;
+        st.launches_per_step = info.launches;
     }
     st.decode = t1.elapsed();
     Ok(st)
