@@ -580,30 +580,7 @@ mod tests {
 
     /// Runs `case` on the CPU twin: its inputs (outputs zeroed), the op, the buffers after.
     fn on_cpu<C: TwinCase>(cpu: &CpuDevice, case: &C) -> Vec<Vec<u8>> {
-        let bufs: Vec<_> = case
-            .bufs()
-            .iter()
-            .map(|b| {
-                let bytes = b.len * b.dtype.size();
-                let buf = cpu.alloc(bytes).unwrap();
-                cpu.write(&buf, 0, b.init.as_deref().unwrap_or(&vec![0; bytes]))
-                    .unwrap();
-                (buf, b.len, b.dtype)
-            })
-            .collect();
-        let views: Vec<_> = bufs
-            .iter()
-            .map(|(b, n, d)| View::new(b, 0, *n, *d))
-            .collect();
-        cpu.run(&case.op(&views))
-            .unwrap_or_else(|e| panic!("{}: {e}", case.name()));
-        bufs.iter()
-            .map(|(b, n, d)| {
-                let mut v = vec![0u8; n * d.size()];
-                cpu.read(b, 0, &mut v).unwrap();
-                v
-            })
-            .collect()
+        crate::cuda::twin::run_alone(cpu, case).unwrap_or_else(|e| panic!("{}: {e}", case.name()))
     }
 
     /// Every case is valid and runs on the CPU twin; the top-k of a NaN-free shard is sorted

@@ -141,6 +141,22 @@ fn differ(spec: &Buf, got: &[u8], want: &[u8], tol: Tol) -> Option<String> {
         })
 }
 
+/// Runs `case` on one device alone (outputs poisoned first) and returns every buffer's bytes
+/// afterwards, in `bufs` order: for tests that look at one backend's results.
+#[cfg(test)]
+pub(crate) fn run_alone<D: Device, C: TwinCase>(dev: &D, case: &C) -> Result<Vec<Vec<u8>>> {
+    let spec = case.bufs();
+    let bufs: Vec<D::Buf> = setup(dev, &spec)?;
+    {
+        let v = views(&bufs, &spec);
+        dev.run(&case.op(&v))?;
+    }
+    bufs.iter()
+        .zip(&spec)
+        .map(|(b, s)| read(dev, b, s))
+        .collect()
+}
+
 /// Runs `case` on the GPU and on the CPU twin and compares every checked buffer.
 pub(crate) fn run<C: TwinCase>(
     gpu: &CudaDevice,
