@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tprun_kernels::DType;
 use tprun_rank::job::{DecodeSpec, Report, Task};
-use tprun_rank::model::forward::DEFAULT_MAX_SEQ;
+use tprun_rank::model::forward::{LoadOptions, DEFAULT_MAX_SEQ};
 use tprun_rank::model::{synth, Arch, ModelConfig, Preset, ShardPlan, SynthOptions};
 
 use crate::cli::{DecodeArgs, SynthArgs};
@@ -177,9 +177,12 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
         (None, None) => DEFAULT_PROMPT.to_string(),
     };
     let prompt = tok.encode(&text).map_err(bad)?;
-    let context = args
-        .max_seq
-        .unwrap_or(cfg.max_positions.min(DEFAULT_MAX_SEQ));
+    // The ranks size their KV cache the same way (LoadOptions::context).
+    let context = LoadOptions {
+        max_seq: args.max_seq,
+        ..LoadOptions::default()
+    }
+    .context(&cfg);
     if context >= u32::MAX as usize {
         return Err(usage(format!("--max-seq {context}: positions are 32-bit")));
     }

@@ -71,6 +71,80 @@ impl Default for LoadOptions {
 /// `max_position_embeddings` is 128k.
 pub const DEFAULT_MAX_SEQ: usize = 4096;
 
+impl LoadOptions {
+    /// The KV-cache length these options give `cfg`: `max_seq`, else the model's context
+    /// capped at [`DEFAULT_MAX_SEQ`]; at least 1.
+    pub fn context(&self, cfg: &ModelConfig) -> usize {
+        self.max_seq
+            .unwrap_or(cfg.max_positions.min(DEFAULT_MAX_SEQ))
+            .max(1)
+    }
+}
+
+/// Everything a shard allocates besides its weights, computed once for the memory check,
+/// the allocation and the report.
+struct Sizes {
+    max_seq: usize,
+    chunk: usize,
+    /// Bytes of one layer's K (or V) cache.
+    kv_bytes: usize,
+    /// f32 elements of each scratch buffer, in [`Scratch`]'s field order.
+    scratch: [usize; 12],
+}
+
+impl Sizes {
+    fn new(cfg: &ModelConfig, plan: &ShardPlan, opts: &LoadOptions) -> Result<Sizes, ModelError> {
+        let max_seq = opts.context(cfg);
+        if max_seq >= u32::MAX as usize {
+            return Err(ModelError::Invalid(format!(
+                "a KV cache of {max_seq} tokens: positions are 32-bit"
+            )));
+        }
+        let chunk = opts.prefill_chunk.clamp(1, max_seq);
+        let (d, h) = (cfg.head_dim, cfg.hidden);
+        let (nqh, nkv, ni) = (
+            plan.q_heads.len(),
+            plan.kv_heads.len() * d,
+            plan.inter.len(),
+        );
+        let nq = nqh * d;
+        let kv_bytes = max_seq
+            .checked_mul(nkv * opts.kv_dtype.size())
+            .ok_or_else(|| ModelError::Invalid(format!("a KV cache of {max_seq} tokens")))?;
+        let scratch = [
+            chunk * h,
+            chunk * h,
+            chunk * (nq + 2 * nkv),
+            chunk * nq,
+            chunk * nq,
+            chunk * h,
+            chunk * 2 * ni,
+            plan.vocab.len().max(1),
+            plan.world * 2 * TOPK,
+            ops::Attention::<()>::workspace_len(1, nqh, d, max_seq),
+            d / 2,
+            cfg.vocab,
+        ];
+        Ok(Sizes {
+            max_seq,
+            chunk,
+            kv_bytes,
+            scratch,
+        })
+    }
+
+    /// u32 words of the step state ([`Step`]).
+    fn step_words(&self) -> usize {
+        2 + 2 * self.chunk
+    }
+
+    /// Device bytes: KV cache, scratch, step state and token history.
+    fn bytes(&self, layers: usize) -> u64 {
+        let words = self.scratch.iter().sum::<usize>() + self.step_words() + self.max_seq + 1;
+        2 * layers as u64 * self.kv_bytes as u64 + 4 * words as u64
+    }
+}
+
 /// Candidates each rank contributes to sampling. Greedy needs only each shard's best; the
 /// sampler looks at no more than [`TOPK_MAX`] tokens in all.
 fn topk_for(p: &SampleParams) -> usize {
@@ -247,12 +321,15 @@ impl<D: Device> Model<D> {
         };
         let (total, _) = weights::shard_bytes(&cfg, &plan, wsize);
         // Out of memory is found before the first allocation, with the figures.
+        let sizes = Sizes::new(&cfg, &plan, opts)?;
         if let Some((free, _)) = dev.mem_info() {
-            let need = total + Self::state_bytes(&cfg, &plan, opts)?;
+            let need = total + sizes.bytes(cfg.layers);
             if need > free {
                 let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
                 return Err(ModelError::Invalid(format!(
-                    "rank {rank}'s shard needs {:.2} GiB of device memory ({:.2} GiB of                      weights, {:.2} GiB of KV cache and scratch) but {:.2} GiB are free                      (a smaller --max-seq, --kv-dtype bf16 or more ranks would fit)",
+                    "rank {rank}'s shard needs {:.2} GiB of device memory ({:.2} GiB of \
+                     weights, {:.2} GiB of KV cache and scratch) but {:.2} GiB are free \
+                     (a smaller --max-seq, --kv-dtype bf16 or more ranks would fit)",
                     gib(need),
                     gib(total),
                     gib(need - total),
@@ -263,38 +340,9 @@ impl<D: Device> Model<D> {
         let w = weights::load(&*dev, &ck, &cfg, &plan, opts.dtype, &mut |b| {
             progress(b, total)
         })?;
-        let mut m = Self::from_weights(dev, cfg, plan, w, opts)?;
+        let mut m = Self::from_weights(dev, cfg, plan, w, opts.kv_dtype, sizes)?;
         m.load_bytes = total;
         Ok(m)
-    }
-
-    /// Device bytes of the KV cache, scratch and step state (everything but the weights).
-    fn state_bytes(
-        cfg: &ModelConfig,
-        plan: &ShardPlan,
-        opts: &LoadOptions,
-    ) -> Result<u64, ModelError> {
-        let max_seq = opts
-            .max_seq
-            .unwrap_or(cfg.max_positions.min(DEFAULT_MAX_SEQ))
-            .max(1) as u64;
-        let chunk = (opts.prefill_chunk as u64).clamp(1, max_seq);
-        let d = cfg.head_dim as u64;
-        let (nqh, nkv, ni) = (
-            plan.q_heads.len() as u64,
-            plan.kv_heads.len() as u64 * d,
-            plan.inter.len() as u64,
-        );
-        let nq = nqh * d;
-        let kv = max_seq
-            .checked_mul(nkv * opts.kv_dtype.size() as u64 * 2 * cfg.layers as u64)
-            .ok_or_else(|| ModelError::Invalid(format!("a KV cache of {max_seq} tokens")))?;
-        let h = cfg.hidden as u64;
-        let scratch = 4
-            * (chunk * (4 * h + 3 * nq + 2 * nkv + 2 * ni)
-                + nqh * max_seq.div_ceil(ops::ATTN_SPLIT as u64) * (d + 2)
-                + 2 * cfg.vocab as u64);
-        Ok(kv + scratch)
     }
 
     /// Measurement only: run every step without its allreduces (each rank's partial sums stay
@@ -327,50 +375,32 @@ impl<D: Device> Model<D> {
         cfg: ModelConfig,
         plan: ShardPlan,
         w: Weights<D::Buf>,
-        opts: &LoadOptions,
+        kv_dtype: DType,
+        sizes: Sizes,
     ) -> Result<Model<D>, ModelError> {
-        let max_seq = opts
-            .max_seq
-            .unwrap_or(cfg.max_positions.min(DEFAULT_MAX_SEQ))
-            .max(1);
-        if max_seq >= u32::MAX as usize {
-            return Err(ModelError::Invalid(format!(
-                "a KV cache of {max_seq} tokens: positions are 32-bit"
-            )));
-        }
-        let chunk = opts.prefill_chunk.clamp(1, max_seq);
-        let d = cfg.head_dim;
-        let (nqh, nq, nkv, ni) = (
-            plan.q_heads.len(),
-            plan.q_heads.len() * d,
-            plan.kv_heads.len() * d,
-            plan.inter.len(),
-        );
-        let kv_bytes = max_seq
-            .checked_mul(nkv * opts.kv_dtype.size())
-            .ok_or_else(|| ModelError::Invalid(format!("a KV cache of {max_seq} tokens")))?;
-        let f = |n: usize| dev.alloc(n * 4);
         let kv = (0..cfg.layers)
             .map(|_| {
                 Ok(KvCache {
-                    k: dev.alloc(kv_bytes)?,
-                    v: dev.alloc(kv_bytes)?,
+                    k: dev.alloc(sizes.kv_bytes)?,
+                    v: dev.alloc(sizes.kv_bytes)?,
                 })
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
+        let mut f = sizes.scratch.iter().map(|&n| dev.alloc(n * 4));
+        let mut next = || f.next().expect("one size per field");
         let s = Scratch {
-            x: f(chunk * cfg.hidden)?,
-            xb: f(chunk * cfg.hidden)?,
-            qkv: f(chunk * (nq + 2 * nkv))?,
-            q: f(chunk * nq)?,
-            att: f(chunk * nq)?,
-            o: f(chunk * cfg.hidden)?,
-            hb: f(chunk * 2 * ni)?,
-            logits: f(plan.vocab.len().max(1))?,
-            cands: f(plan.world * 2 * TOPK)?,
-            attn_ws: f(ops::Attention::<D::Buf>::workspace_len(1, nqh, d, max_seq))?,
-            inv_freq: f(d / 2)?,
-            full_logits: f(cfg.vocab)?,
+            x: next()?,
+            xb: next()?,
+            qkv: next()?,
+            q: next()?,
+            att: next()?,
+            o: next()?,
+            hb: next()?,
+            logits: next()?,
+            cands: next()?,
+            attn_ws: next()?,
+            inv_freq: next()?,
+            full_logits: next()?,
         };
         dev.write(
             &s.inv_freq,
@@ -378,13 +408,13 @@ impl<D: Device> Model<D> {
             &tprun_kernels::dtype::encode(DType::F32, &cfg.inv_freq()),
         )?;
         let step = Step {
-            buf: dev.alloc((2 + 2 * chunk) * 4)?,
-            chunk,
+            buf: dev.alloc(sizes.step_words() * 4)?,
+            chunk: sizes.chunk,
         };
-        let history = dev.alloc_mapped((max_seq + 1) * 4)?;
+        let history = dev.alloc_mapped((sizes.max_seq + 1) * 4)?;
         let wsize = w.layers.first().map_or(4, |l| l.wqkv.dtype.size());
         let (_, step_bytes) = weights::shard_bytes(&cfg, &plan, wsize);
-        let state_bytes = Self::state_bytes(&cfg, &plan, opts)?;
+        let state_bytes = sizes.bytes(cfg.layers);
         Ok(Model {
             no_allreduce: false,
             use_graph: true,
@@ -396,12 +426,12 @@ impl<D: Device> Model<D> {
             plan,
             w,
             kv,
-            kv_dtype: opts.kv_dtype,
+            kv_dtype,
             s,
             step,
             history,
-            max_seq,
-            chunk,
+            max_seq: sizes.max_seq,
+            chunk: sizes.chunk,
             len: 0,
             step_bytes,
             graph: None,
