@@ -175,9 +175,7 @@ fn dump_logits<D: Device>(
     let mut logits = model.prefill(comm, prompt)?.to_vec();
     st.prefill = t0.elapsed();
     let t1 = Instant::now();
-    let budget = gen
-        .max_new_tokens
-        .min(model.max_seq().saturating_sub(prompt.len()) + 1);
+    let budget = gen.budget(model.max_seq(), prompt.len());
     let mut pos = prompt.len();
     while st.generated < budget {
         if let Some(o) = &mut out {

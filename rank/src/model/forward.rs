@@ -14,7 +14,7 @@
 //!   zeros for the others, so the sum over ranks is the full lookup (exact: one non-zero term);
 //! - after o_proj and after down_proj (row-parallel: each rank's partial product), each
 //!   followed by the residual add and the next norm;
-//! - sampling: each rank's best [`TOPK`] logits of its vocab shard, as (logit, id) pairs in
+//! - sampling: each rank's best [`TOPK_MAX`] logits of its vocab shard, as (logit, id) pairs in
 //!   its own part of a zero-filled buffer, so that the allreduce of that small buffer is an
 //!   all-gather (adding only zeros: exact). Every rank then picks the same token from the
 //!   same candidates with the same seeded draw.
@@ -120,7 +120,7 @@ impl Sizes {
             chunk * h,
             chunk * 2 * ni,
             plan.vocab.len().max(1),
-            plan.world * 2 * TOPK,
+            plan.world * 2 * TOPK_MAX,
             ops::Attention::<()>::workspace_len(1, nqh, d, max_seq),
             d / 2,
             cfg.vocab,
@@ -154,8 +154,6 @@ fn topk_for(p: &SampleParams) -> usize {
         TOPK_MAX
     }
 }
-/// The most candidates one shard may contribute (sizes the gather buffer).
-pub const TOPK: usize = TOPK_MAX;
 
 /// Per-layer KV cache: [max_seq, nkv·d] each, in `Model::kv_dtype`, row `p` holding
 /// position `p`.
@@ -182,7 +180,7 @@ struct Scratch<B> {
     hb: B,
     /// This rank's vocab shard of the last position's logits [V].
     logits: B,
-    /// Gathered sampling candidates [world · 2·k] f32 (k ≤ TOPK): (logit, id) pairs, this
+    /// Gathered sampling candidates [world · 2·k] f32 (k ≤ TOPK_MAX): (logit, id) pairs, this
     /// rank's at `rank · 2·k`.
     cands: B,
     /// Split-sequence attention scratch for one query (ops::Attention::workspace_len).
@@ -704,8 +702,8 @@ impl<D: Device> Model<D> {
         if max == 0 {
             return Ok(info);
         }
-        let capturable =
-            comm.capturable(self.cfg.hidden * 4) && comm.capturable(self.plan.world * 2 * TOPK * 4);
+        let capturable = comm.capturable(self.cfg.hidden * 4)
+            && comm.capturable(self.plan.world * 2 * TOPK_MAX * 4);
         if self.use_graph && capturable && self.graph.as_ref().is_none_or(|g| g.2 != *p) {
             self.graph = None;
             let e0 = comm.epoch();

@@ -18,6 +18,15 @@ pub struct GenerateOptions {
     pub stop: Vec<u32>,
 }
 
+impl GenerateOptions {
+    /// Tokens a prompt of `prompt_len` may be followed by: `max_new_tokens`, at most what a
+    /// KV cache of `max_seq` holds (the last token needs no cache row of its own).
+    pub fn budget(&self, max_seq: usize, prompt_len: usize) -> usize {
+        self.max_new_tokens
+            .min(max_seq.saturating_sub(prompt_len) + 1)
+    }
+}
+
 /// What a generation did, for the CLI's summary line.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct GenerateStats {
@@ -65,9 +74,7 @@ pub fn generate<D: Device>(
         prompt_tokens: prompt.len(),
         ..Default::default()
     };
-    let budget = opts
-        .max_new_tokens
-        .min(model.max_seq().saturating_sub(prompt.len()) + 1);
+    let budget = opts.budget(model.max_seq(), prompt.len());
     if budget == 0 {
         return Ok(st);
     }

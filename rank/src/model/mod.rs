@@ -36,6 +36,6 @@ pub use error::ModelError;
 pub use forward::{LoadOptions, Model};
 pub use generate::{generate, GenerateOptions, GenerateStats};
 pub use local::LocalComm;
-pub use sample::{Sampler, SamplerConfig};
+pub use sample::SamplerConfig;
 pub use shard::ShardPlan;
 pub use synth::{synth, Preset, SynthOptions};
