@@ -19,7 +19,6 @@
 //!
 //! The low-latency slots after the data slots are laid out by [`CommLayout`].
 
-use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
 
@@ -120,13 +119,50 @@ struct CopyParams {
     n: u64,
 }
 
-/// The loaded modules and their kernels: by name (the communication kernels), and as a typed
-/// table (module, index in its name list) for the decode ops, which launch without building
-/// a name or hashing one.
+/// The loaded modules and their kernels as a typed table: (module, index in its name list).
+/// A launch picks its kernel by index, never by building or hashing a name.
 pub(crate) struct Kernels {
-    funcs: HashMap<String, CudaFunction>,
     table: Vec<Vec<CudaFunction>>,
     _modules: Vec<Arc<CudaModule>>,
+}
+
+/// The allreduce kernels of one dtype, in comm.cu's name order (`allreduce_{algo}_{dtype}`).
+const COMM_ALGOS: [&str; 4] = ["oneshot", "oneshot_ll", "twoshot", "host_reduce"];
+/// `allreduce_oneshot_ll_addnorm_f32`: after the per-dtype kernels.
+const COMM_ADDNORM: usize = COMM_ALGOS.len() * DType::ALL.len();
+/// `copy_bytes`: first of the reduce module.
+const COPY_BYTES: usize = 0;
+
+fn float_index(d: DType) -> usize {
+    DType::ALL
+        .iter()
+        .position(|&x| x == d)
+        .expect("allreduce, reduce and copy kernels exist for float dtypes (validated)")
+}
+
+/// Index of `allreduce_{algo}_{d}` in the comm module.
+fn comm_index(algo: &str, d: DType) -> usize {
+    let a = COMM_ALGOS
+        .iter()
+        .position(|&x| x == algo)
+        .expect("a comm.cu algorithm");
+    float_index(d) * COMM_ALGOS.len() + a
+}
+
+/// Index of `reduce_sum_{d}` in the reduce module: after copy_bytes, each dtype's reduce_sum
+/// followed by its converting copies from the other dtypes.
+fn reduce_sum_index(d: DType) -> usize {
+    1 + float_index(d) * DType::ALL.len()
+}
+
+/// Index of `copy_{s}_{d}` (s ≠ d) in the reduce module.
+fn copy_index(s: DType, d: DType) -> usize {
+    let from = DType::ALL
+        .iter()
+        .filter(|&&x| x != d)
+        .position(|&x| x == s)
+        .expect("a converting copy");
+    reduce_sum_index(d) + 1 + from
 }
 
 fn kernel_names(module: &str) -> Vec<String> {
@@ -160,7 +196,6 @@ fn kernel_names(module: &str) -> Vec<String> {
 impl Kernels {
     /// Compiles (or takes from the cache) and loads every module for `arch`.
     pub(crate) fn load(ctx: &Arc<CudaContext>, arch: (i32, i32)) -> Result<Kernels> {
-        let mut funcs = HashMap::new();
         let mut table = Vec::new();
         let mut modules = Vec::new();
         for (name, src) in program::SOURCES {
@@ -178,19 +213,18 @@ impl Kernels {
                         .map_err(driver_err(format!("loading module {name}")))?
                 }
             };
-            let mut list = Vec::new();
-            for k in kernel_names(name) {
-                let f = module
-                    .load_function(&k)
-                    .map_err(driver_err(format!("kernel {k}")))?;
-                list.push(f.clone());
-                funcs.insert(k, f);
-            }
+            let list = kernel_names(name)
+                .into_iter()
+                .map(|k| {
+                    module
+                        .load_function(&k)
+                        .map_err(driver_err(format!("kernel {k}")))
+                })
+                .collect::<Result<Vec<_>>>()?;
             table.push(list);
             modules.push(module);
         }
         Ok(Kernels {
-            funcs,
             table,
             _modules: modules,
         })
@@ -199,12 +233,6 @@ impl Kernels {
     /// Kernel `index` of `module`'s name list.
     pub(crate) fn func(&self, module: program::Module, index: usize) -> &CudaFunction {
         &self.table[module as usize][index]
-    }
-
-    fn get(&self, name: &str) -> &CudaFunction {
-        self.funcs
-            .get(name)
-            .unwrap_or_else(|| panic!("kernel {name} was loaded at construction"))
     }
 
     /// Blocks of `AR_THREADS` threads that fit on one SM, for the allreduce kernel that fits
@@ -218,8 +246,8 @@ impl Kernels {
     pub(crate) fn allreduce_occupancy(&self) -> Result<Vec<(String, u32)>> {
         kernel_names("comm")
             .into_iter()
-            .map(|name| {
-                let f = self.get(&name);
+            .zip(&self.table[program::Module::Comm as usize])
+            .map(|(name, f)| {
                 // SAFETY: `f` belongs to a loaded module.
                 let n = unsafe {
                     dr::occupancy::max_active_block_per_multiprocessor(
@@ -255,28 +283,23 @@ pub(crate) struct Launcher<'a> {
 }
 
 impl Launcher<'_> {
+    /// Launches kernel `index` of `module` on a 1-D grid, without programmatic dependent
+    /// launch (the communication and copy kernels do not wait in-kernel).
+    ///
     /// # Safety
-    /// `params` is the exact parameter struct of kernel `name`, and every device address in it
+    /// `params` is the exact parameter struct of that kernel, and every device address in it
     /// stays valid until the stream passes this launch.
-    unsafe fn launch<P>(&self, name: &str, grid: u32, block: u32, params: &mut P) -> Result<()> {
-        // Relaxed: a statistic, read by the same thread after the op returns.
-        self.launches
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let f = self.kernels.get(name);
-        let mut args = [(params as *mut P).cast::<c_void>()];
-        // SAFETY: per the contract; cuLaunchKernel copies the parameter values before it
-        // returns, so `params` may die afterwards.
-        unsafe {
-            dr::launch_kernel(
-                f.cu_function(),
-                (grid.max(1), 1, 1),
-                (block, 1, 1),
-                0,
-                self.stream.cu_stream(),
-                &mut args,
-            )
-        }
-        .map_err(driver_err(format!("launching {name}")))
+    unsafe fn launch<P>(
+        &self,
+        module: program::Module,
+        index: usize,
+        grid: u32,
+        block: u32,
+        params: &mut P,
+    ) -> Result<()> {
+        let f = self.kernels.func(module, index);
+        // SAFETY: per the contract.
+        unsafe { self.launch_with(f, (grid, 1, 1), block, 0, false, params) }
     }
 
     /// Launches `f` with a 3-D grid, `block` threads and `smem` bytes of dynamic shared
@@ -293,12 +316,27 @@ impl Launcher<'_> {
         smem: u32,
         params: &mut P,
     ) -> Result<()> {
+        // SAFETY: per the contract; decode kernels wait in-kernel, so PDL as configured.
+        unsafe { self.launch_with(f, grid, block, smem, self.pdl, params) }
+    }
+
+    /// # Safety
+    /// As [`Launcher::launch_fn`].
+    unsafe fn launch_with<P>(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        pdl: bool,
+        params: &mut P,
+    ) -> Result<()> {
         // Relaxed: a statistic, read by the same thread after the op returns.
         self.launches
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut args = [(params as *mut P).cast::<c_void>()];
         let grid = (grid.0.max(1), grid.1.max(1), grid.2.max(1));
-        if self.pdl {
+        if pdl {
             use cudarc::driver::sys;
             // SAFETY: a plain C struct (an id and a union of plain values): all-zero is valid.
             let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
@@ -328,7 +366,7 @@ impl Launcher<'_> {
                 )
             }
             .result()
-            .map_err(driver_err("launching a decode kernel (PDL)"));
+            .map_err(driver_err("launching a kernel (PDL)"));
         }
         // SAFETY: per the contract; cuLaunchKernel copies the parameter values before it
         // returns.
@@ -342,7 +380,7 @@ impl Launcher<'_> {
                 &mut args,
             )
         }
-        .map_err(driver_err("launching a decode kernel"))
+        .map_err(driver_err("launching a kernel"))
     }
 
     pub(crate) fn grid_for(&self, items: usize, threads: u32) -> u32 {
@@ -373,19 +411,15 @@ impl Launcher<'_> {
         }
         // (kernel, its n, work items for the grid): bytes for copy_bytes (16 per thread),
         // elements for the converting copies.
-        let (name, n, items) = if src.dtype == dst.dtype {
-            ("copy_bytes".to_string(), bytes, bytes.div_ceil(16))
+        let (index, n, items) = if src.dtype == dst.dtype {
+            (COPY_BYTES, bytes, bytes.div_ceil(16))
         } else {
             if !s.is_multiple_of(src.dtype.size() as u64)
                 || !d.is_multiple_of(dst.dtype.size() as u64)
             {
                 return Err(KernelError::Invalid("copy: misaligned view".into()));
             }
-            (
-                format!("copy_{}_{}", src.dtype, dst.dtype),
-                src.len,
-                src.len,
-            )
+            (copy_index(src.dtype, dst.dtype), src.len, src.len)
         };
         let mut p = CopyParams {
             src: s,
@@ -394,7 +428,15 @@ impl Launcher<'_> {
         };
         // SAFETY: CopyParams is the parameter of copy_bytes and copy_*_*; addresses checked
         // above.
-        unsafe { self.launch(&name, self.grid_for(items, THREADS), THREADS, &mut p) }
+        unsafe {
+            self.launch(
+                program::Module::Reduce,
+                index,
+                self.grid_for(items, THREADS),
+                THREADS,
+                &mut p,
+            )
+        }
     }
 
     pub(crate) fn reduce_sum(
@@ -436,9 +478,16 @@ impl Launcher<'_> {
             return Ok(());
         }
         let packs = out.len.div_ceil(16 / out.dtype.size());
-        let name = format!("reduce_sum_{}", out.dtype);
         // SAFETY: ReduceParams is reduce_sum_*'s parameter; addresses checked above.
-        unsafe { self.launch(&name, self.grid_for(packs, THREADS), THREADS, &mut p) }
+        unsafe {
+            self.launch(
+                program::Module::Reduce,
+                reduce_sum_index(out.dtype),
+                self.grid_for(packs, THREADS),
+                THREADS,
+                &mut p,
+            )
+        }
     }
 
     /// The kernel one allreduce runs: (name without the dtype, blocks). One block per
@@ -541,14 +590,14 @@ impl Launcher<'_> {
                     pad: 0,
                 };
                 // SAFETY: as below; the epilogue's views were bounds-checked just above.
-                unsafe { self.launch("allreduce_oneshot_ll_addnorm_f32", 1, AR_THREADS, &mut p)? };
+                unsafe { self.launch(program::Module::Comm, COMM_ADDNORM, 1, AR_THREADS, &mut p)? };
                 return Ok(true);
             }
         }
-        let name = format!("allreduce_{algo}_{}", a.data.dtype);
+        let index = comm_index(algo, a.data.dtype);
         // SAFETY: ArParams is allreduce_*'s parameter; every address bounds-checked above; the
         // error words outlive the device, which syncs before dropping them.
-        unsafe { self.launch(&name, grid, AR_THREADS, &mut p)? };
+        unsafe { self.launch(program::Module::Comm, index, grid, AR_THREADS, &mut p)? };
         Ok(false)
     }
 }
@@ -580,6 +629,25 @@ mod tests {
         assert_eq!(def(comm, "TP_ERR_CODE"), ERR_CODE.to_string());
         assert_eq!(def(reduce, "TP_THREADS"), THREADS.to_string());
         assert_eq!(def(reduce, "TP_MAX_INPUTS"), MAX_INPUTS.to_string());
+    }
+
+    /// The launchers' kernel indices name the kernels `kernel_names` loads at those indices.
+    #[test]
+    fn kernel_indices_match_the_name_lists() {
+        let comm = kernel_names("comm");
+        let reduce = kernel_names("reduce");
+        for d in DType::ALL {
+            for algo in COMM_ALGOS {
+                assert_eq!(comm[comm_index(algo, d)], format!("allreduce_{algo}_{d}"));
+            }
+            assert_eq!(reduce[reduce_sum_index(d)], format!("reduce_sum_{d}"));
+            for s in DType::ALL.into_iter().filter(|&s| s != d) {
+                assert_eq!(reduce[copy_index(s, d)], format!("copy_{s}_{d}"));
+            }
+        }
+        assert_eq!(comm[COMM_ADDNORM], "allreduce_oneshot_ll_addnorm_f32");
+        assert_eq!(comm.len(), COMM_ADDNORM + 1);
+        assert_eq!(reduce[COPY_BYTES], "copy_bytes");
     }
 
     #[test]

@@ -36,7 +36,6 @@ pub(crate) const SOURCES: [(&str, &str); 6] = [
 /// The modules, by their index in [`SOURCES`]: the first half of a typed kernel address
 /// (the second is the kernel's index in that module's name list, `launch::kernel_names`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[allow(dead_code)] // every module has a variant; the decode families index by it
 pub(crate) enum Module {
     Reduce = 0,
     Comm = 1,
