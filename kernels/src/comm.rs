@@ -192,18 +192,25 @@ impl<B> Clone for AddNorm<'_, B> {
 }
 impl<B> Copy for AddNorm<'_, B> {}
 
+impl<'a, B> AddNorm<'a, B> {
+    /// The epilogue as an op with `delta` (the summed message) added.
+    pub fn op(self, delta: View<'a, B>) -> crate::ops::AddRmsNorm<'a, B> {
+        crate::ops::AddRmsNorm {
+            x: self.x,
+            delta,
+            w: self.w,
+            out: self.out,
+            rows: self.rows,
+            dim: self.dim,
+            eps: self.eps,
+        }
+    }
+}
+
 impl<'a, B> AllreduceArgs<'a, B> {
     /// The epilogue as an op on the summed data.
     pub fn add_norm_op(&self) -> Option<crate::ops::AddRmsNorm<'a, B>> {
-        self.add_norm.as_ref().map(|e| crate::ops::AddRmsNorm {
-            x: e.x,
-            delta: self.data,
-            w: e.w,
-            out: e.out,
-            rows: e.rows,
-            dim: e.dim,
-            eps: e.eps,
-        })
+        self.add_norm.map(|e| e.op(self.data))
     }
 }
 

@@ -815,27 +815,19 @@ impl<D: Device> Model<D> {
         // row-parallel projection.
         let residual =
             |comm: &mut dyn Collectives<D>, next_norm: View<'_, D::Buf>| -> Result<(), RankError> {
-                if world > 1 {
-                    let e = AddNorm {
-                        x,
-                        w: next_norm,
-                        out: xb,
-                        rows: m,
-                        dim: h,
-                        eps,
-                    };
-                    return comm.allreduce_add_norm(o, e);
-                }
-                dev.run(&Op::AddRmsNorm(ops::AddRmsNorm {
+                let e = AddNorm {
                     x,
-                    delta: o,
                     w: next_norm,
                     out: xb,
                     rows: m,
                     dim: h,
                     eps,
-                }))?;
-                Ok(())
+                };
+                if world > 1 {
+                    comm.allreduce_add_norm(o, e)
+                } else {
+                    Ok(dev.run(&Op::AddRmsNorm(e.op(o)))?)
+                }
             };
         let nl = w.layers.len();
         for (l, (lw, kv)) in w.layers.iter().zip(kvs).enumerate() {

@@ -88,20 +88,7 @@ impl<D: Device> Collectives<D> for LocalComm<D> {
         add_norm: AddNorm<'_, D::Buf>,
     ) -> Result<(), RankError> {
         self.allreduce(data)?;
-        let op = AllreduceArgs {
-            algo: CommAlgo::Oneshot,
-            rank: self.rank,
-            world: self.bufs.len(),
-            epoch: 0,
-            data,
-            comm: &[],
-            layout: self.layout,
-            timeout: TIMEOUT,
-            abort: None,
-            add_norm: Some(add_norm),
-        }
-        .add_norm_op()
-        .expect("given above");
+        let op = add_norm.op(data);
         self.dev.run(&Op::AddRmsNorm(op))?;
         Ok(())
     }
