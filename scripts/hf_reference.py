@@ -25,6 +25,8 @@ import json
 import sys
 import time
 
+from hf_load import load_model
+
 
 def log(msg):
     print(f"[hf_reference] {msg}", file=sys.stderr, flush=True)
@@ -100,42 +102,6 @@ def parse_args(argv=None):
     return args
 
 
-def transformers_version():
-    import transformers
-
-    parts = []
-    for x in transformers.__version__.split(".")[:2]:
-        digits = "".join(ch for ch in x if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    while len(parts) < 2:
-        parts.append(0)
-    return tuple(parts)
-
-
-def load_model(path, dtype, device, attn):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    # transformers >= 4.56 takes `dtype=`; older ones `torch_dtype=`.
-    dkey = "dtype" if transformers_version() >= (4, 56) else "torch_dtype"
-    kw = {dkey: dtype, "attn_implementation": attn}
-    model = None
-    if device.type == "cuda":
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, device_map=str(device), **kw)
-        except (ImportError, ValueError, TypeError, RuntimeError) as e:
-            log(f"device_map load failed ({type(e).__name__}: {e}); loading on the CPU, then moving")
-            model = None
-    if model is None:
-        model = AutoModelForCausalLM.from_pretrained(path, **kw)
-    model = model.to(device)
-    if next(model.parameters()).dtype != dtype:
-        log(f"weights loaded as {next(model.parameters()).dtype}; converting to {dtype}")
-        model = model.to(dtype)
-    model.eval()
-    return model
-
-
 def main(argv=None):
     args = parse_args(argv)
     import numpy as np
@@ -149,7 +115,7 @@ def main(argv=None):
     dtype = {"bf16": torch.bfloat16, "f32": torch.float32}[args.dtype]
     log(f"loading {args.model} ({args.dtype}, {args.attn}) on {device} ...")
     t0 = time.perf_counter()
-    model = load_model(args.model, dtype, device, args.attn)
+    model = load_model(args.model, dtype, device, args.attn, log=log)
     log(f"loaded in {time.perf_counter() - t0:.1f}s")
 
     emb_rows = model.get_input_embeddings().weight.shape[0]
