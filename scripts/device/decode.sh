@@ -81,7 +81,8 @@ sys.exit(0 if got == want else 1)
 PY
         cmp_logits "$out/cuda$r.f32" "$out/cpu1.f32" || fail "cuda$r logits vs cpu"
         echo "-- cuda ranks $r, the step replayed as one CUDA graph"
-        $bin --backend cuda --ranks $r --devices "$d" --timeout 30 "${common[@]}" --graph on > "$out/cuda$r-graph.json" 2>"$out/cuda$r-graph.err" || { fail "cuda$r graph decode"; tail -3 "$out/cuda$r-graph.err"; continue; }
+        TPRUN_LOG=tprun_rank=debug $bin --backend cuda --ranks $r --devices "$d" --timeout 30 "${common[@]}" --graph on > "$out/cuda$r-graph.json" 2>"$out/cuda$r-graph.err" || { fail "cuda$r graph decode"; tail -12 "$out/cuda$r-graph.err"; continue; }
+        grep -m3 "captured\|steps done\|graph destroyed" "$out/cuda$r-graph.err"
         python3 -c "import json;a=json.load(open('$out/cuda$r.json'))['token_ids'];b=json.load(open('$out/cuda$r-graph.json'));print('graph tokens == eager tokens:',a==b['token_ids'],'graph',b['graph'],f\"{b['decode_tokens_per_s']:.0f} tok/s\");exit(0 if a==b['token_ids'] else 1)" || fail "cuda$r graph tokens"
     done
 }

@@ -279,6 +279,7 @@ impl<D: Device> Drop for Model<D> {
                 tracing::warn!("model drop: device sync: {e}");
             }
             self.graph = None;
+            tracing::debug!("model drop: graph destroyed");
         }
     }
 }
@@ -708,6 +709,7 @@ impl<D: Device> Model<D> {
             self.graph = None;
             let e0 = comm.epoch();
             let l0 = self.dev.launches();
+            tracing::debug!("decode: capturing the step");
             let captured = {
                 let this = &*self;
                 this.dev.capture(&mut || {
@@ -722,6 +724,11 @@ impl<D: Device> Model<D> {
             comm.set_epoch(e0);
             self.graph = captured.map(|g| (g, n, *p));
             info.launches = self.dev.launches() - l0;
+            tracing::debug!(
+                "decode: captured: {}, {n} allreduces, {} launches",
+                self.graph.is_some(),
+                info.launches
+            );
         }
         info.graph = self.graph.is_some();
         let queue = |this: &Self, comm: &mut dyn Collectives<D>| -> Result<D::Mark, RankError> {
@@ -750,6 +757,9 @@ impl<D: Device> Model<D> {
             done += 1;
             self.len += 1;
             let t = self.read_history(self.len)?;
+            if done <= 3 {
+                tracing::debug!("decode: step {done} done: token {t}");
+            }
             if !on_token(t)? {
                 break;
             }
@@ -764,6 +774,7 @@ impl<D: Device> Model<D> {
         for m in pending {
             self.dev.wait_mark(&m)?;
         }
+        tracing::debug!("decode: {done} steps done");
         Ok(info)
     }
 
