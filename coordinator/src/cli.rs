@@ -136,11 +136,16 @@ pub struct DecodeArgs {
     #[arg(long)]
     pub dump_logits: Option<PathBuf>,
 
-    /// Replay the single-token step as one captured CUDA graph per token (on) or launch its
-    /// kernels one by one (off). Off by default until graph replay has run on a GPU: its one
-    /// H200 run so far stalled (see docs/perf-notes.md).
-    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    /// Replay the single-token step as one captured CUDA graph per token (on), or launch its
+    /// kernels one by one (off). Backends without graphs (cpu) always launch one by one.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     pub graph: String,
+
+    /// Time every op of the decode steps on the device and print the device time per op and
+    /// token (GPU backends; the steps are then launched one by one, not as a graph, and each
+    /// op is bracketed by events, so the total is a little above an unprofiled run's).
+    #[arg(long)]
+    pub profile: bool,
 
     /// Do not stop at the model's end-of-sequence ids.
     #[arg(long)]

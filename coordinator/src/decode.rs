@@ -267,6 +267,7 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
         // A measurement knob (README), read here once so that every rank agrees.
         no_allreduce: std::env::var("TPRUN_BENCH_NO_ALLREDUCE").is_ok_and(|v| v == "1"),
         graph: args.graph == "on",
+        profile: args.profile,
     };
     let mut st = Streamer {
         tok,
@@ -304,6 +305,7 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
         graph,
         allreduces_per_step,
         launches_per_step,
+        profile,
     }) = st.stats
     else {
         return Err(bad("rank 0 finished without reporting statistics"));
@@ -320,7 +322,7 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
         percentile(&step_us, 0.99) / 1e3,
     );
     if args.json {
-        let v = json!({
+        let mut v = json!({
             "world": settings.world,
             "backend": settings.backend.name(),
             "model": dir,
@@ -348,6 +350,17 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
             "token_latency_p50_ms": p50,
             "token_latency_p99_ms": p99,
         });
+        if args.profile {
+            v["profile"] = json!(profile
+                .iter()
+                .map(|(label, calls, s)| json!({
+                    "op": label,
+                    "calls": calls,
+                    "device_s": s,
+                    "us_per_token": s * 1e6 / steps_profiled(generated),
+                }))
+                .collect::<Vec<_>>());
+        }
         println!("{}", serde_json::to_string_pretty(&v).expect("json"));
     } else {
         eprintln!(
@@ -358,8 +371,41 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
             if graph { ", one graph per token" } else { "" },
             if stopped { " · stopped at end of sequence" } else { "" }
         );
+        if args.profile {
+            print_profile(&profile, generated);
+        }
     }
     Ok(0)
+}
+
+/// Decode steps a profile covers: every token after the prefill's, and the one step that may
+/// have been queued past the last (see `Model::decode`) is not counted (a small overestimate
+/// per token).
+fn steps_profiled(generated: usize) -> f64 {
+    generated.saturating_sub(1).max(1) as f64
+}
+
+/// The `--profile` table on stderr: device time per op and token, largest first.
+fn print_profile(profile: &[(String, u64, f64)], generated: usize) {
+    if profile.is_empty() {
+        eprintln!("profile: this backend does not time ops (GPU backends only)");
+        return;
+    }
+    let steps = steps_profiled(generated);
+    let total: f64 = profile.iter().map(|p| p.2).sum();
+    eprintln!(
+        "profile over {steps} steps: {:.1} µs of device time per token",
+        total * 1e6 / steps
+    );
+    eprintln!("{:>10} {:>7} {:>10}  op", "µs/token", "share", "calls/tok");
+    for (label, calls, s) in profile {
+        eprintln!(
+            "{:>10.1} {:>6.1}% {:>10.1}  {label}",
+            s * 1e6 / steps,
+            100.0 * s / total,
+            *calls as f64 / steps
+        );
+    }
 }
 
 pub fn synth_cmd(args: &SynthArgs) -> Result<i32, JobError> {

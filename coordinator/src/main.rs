@@ -30,7 +30,8 @@ pub struct Settings {
     pub ipc: IpcMode,
     /// GPU allreduce kernel settings, from the A/B environment knobs ([`comm_settings`]).
     pub comm: CommSettings,
-    /// CUDA decode kernels with programmatic dependent launch (`TPRUN_CUDA_PDL=1`, an A/B knob).
+    /// CUDA decode kernels with programmatic dependent launch (default; `TPRUN_CUDA_PDL=0`
+    /// turns it off, an A/B knob).
     pub pdl: bool,
     pub timeout: Duration,
 }
@@ -98,7 +99,7 @@ impl Settings {
             backend,
             ipc: cli.ipc,
             comm: comm_settings()?,
-            pdl: std::env::var("TPRUN_CUDA_PDL").is_ok_and(|v| v == "1"),
+            pdl: std::env::var("TPRUN_CUDA_PDL").map_or(true, |v| v != "0"),
             timeout: Duration::from_secs_f64(cli.timeout),
         })
     }

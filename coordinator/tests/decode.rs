@@ -181,6 +181,25 @@ fn dump_logits_writes_a_row_per_token_and_graph_mode_agrees() {
         );
         assert_eq!(ids(&g["token_ids"]), toks, "graph on, world {world}");
         assert_eq!(g["graph"], false, "no graphs on the cpu backend");
+        let prof = decode_json(
+            &env,
+            world,
+            &model,
+            &[
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "6",
+                "--ignore-eos",
+                "--profile",
+            ],
+        );
+        assert_eq!(ids(&prof["token_ids"]), toks, "--profile, world {world}");
+        assert_eq!(
+            prof["profile"],
+            serde_json::json!([]),
+            "the cpu backend times no ops"
+        );
     }
     let diff = rows[0]
         .iter()

@@ -171,6 +171,26 @@ pub enum Op<'a, B> {
 
 impl<B> Op<'_, B> {
     /// The op's name, for errors ("the cuda backend has no kernel for rms_norm yet").
+    /// [`Op::name`], with the shape where one op serves several (the profile's label).
+    pub fn label(&self) -> String {
+        match self {
+            Op::Matmul(a) => format!(
+                "matmul {}x{}{}{}",
+                a.n,
+                a.k,
+                if a.prologue == crate::ops::Prologue::SiluMul {
+                    " silu"
+                } else {
+                    ""
+                },
+                if a.m > 1 { " (prefill)" } else { "" }
+            ),
+            Op::Allreduce(a) if a.add_norm_op().is_some() => "allreduce+add_rms_norm".into(),
+            Op::Attention(a) if a.rows > 1 => "attention (prefill)".into(),
+            other => other.name().into(),
+        }
+    }
+
     pub fn name(&self) -> &'static str {
         match self {
             Op::Copy(_) => "copy",
@@ -214,6 +234,15 @@ impl<B> Op<'_, B> {
     }
 }
 
+/// Device time of one kind of op over a profiled run ([`Device::set_profiling`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpTime {
+    /// The op's name, with the shape where one kind has several (`matmul 6144x4096`).
+    pub label: String,
+    pub calls: u64,
+    pub seconds: f64,
+}
+
 /// A compute device as seen by one rank.
 pub trait Device: Send + Sync + 'static {
     /// Device memory owned by (or mapped into) this process. Dropping it frees or unmaps it.
@@ -238,6 +267,19 @@ pub trait Device: Send + Sync + 'static {
     /// which runs ops as calls).
     fn launches(&self) -> u64 {
         0
+    }
+
+    /// Turns per-op timing on or off: while on, every op launched outside a capture is
+    /// bracketed by device events (a measurement mode: it adds a little time per op, and
+    /// graphs cannot be timed per op). Returns whether the backend can profile (GPUs).
+    fn set_profiling(&self, _on: bool) -> bool {
+        false
+    }
+
+    /// Device time per op label since profiling was turned on, largest first; waits for the
+    /// queued work. Empty where the backend cannot profile.
+    fn profile(&self) -> Result<Vec<OpTime>> {
+        Ok(Vec::new())
     }
 
     /// (free, total) bytes of device memory, where the backend can tell (GPUs).

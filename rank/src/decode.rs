@@ -67,7 +67,9 @@ pub fn run<D: Device>(
     }
     // Measurement only (wrong tokens at world > 1): the step without its allreduces.
     model.set_no_allreduce(spec.no_allreduce);
-    model.set_graph(spec.graph);
+    // Profiling times each op, so the steps are launched one by one.
+    model.set_graph(spec.graph && !spec.profile);
+    let profiled = dev.clone();
     let mut comm = Communicator::establish(
         dev,
         conn,
@@ -95,7 +97,13 @@ pub fn run<D: Device>(
     let mut publish = |id: u32| -> Result<bool, RankError> {
         let now = Instant::now();
         match last {
-            None => ctx.enter(Phase::Decode),
+            None => {
+                // The first token is the prefill's: the profile covers the steps after it.
+                if spec.profile {
+                    profiled.set_profiling(true);
+                }
+                ctx.enter(Phase::Decode)
+            }
             Some(t) => steps.push((now - t).as_secs_f32() * 1e6),
         }
         last = Some(now);
@@ -125,6 +133,15 @@ pub fn run<D: Device>(
         )?,
     };
     comm.close()?;
+    let profile = if spec.profile {
+        let p = profiled.profile()?;
+        profiled.set_profiling(false);
+        p.into_iter()
+            .map(|t| (t.label, t.calls, t.seconds))
+            .collect()
+    } else {
+        Vec::new()
+    };
     if ctx.rank == 0 {
         report(
             conn,
@@ -139,6 +156,7 @@ pub fn run<D: Device>(
                 graph: stats.graph,
                 allreduces_per_step: stats.allreduces_per_step,
                 launches_per_step: stats.launches_per_step,
+                profile,
             },
         )?;
     }

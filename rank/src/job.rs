@@ -74,8 +74,8 @@ pub struct JobSpec {
     pub ipc: IpcMode,
     /// Allreduce kernel settings of GPU backends, applied when a rank opens its device.
     pub comm: CommSettings,
-    /// CUDA decode kernels launched with programmatic dependent launch (the coordinator's
-    /// A/B knob `TPRUN_CUDA_PDL=1` while it is measured).
+    /// CUDA decode kernels launched with programmatic dependent launch (on Hopper and newer;
+    /// the coordinator's A/B knob `TPRUN_CUDA_PDL=0` turns it off).
     pub pdl: bool,
     /// Deadline of every wait (barriers, flag waits, the token ring), in milliseconds.
     pub timeout_ms: u64,
@@ -130,6 +130,9 @@ pub struct DecodeSpec {
     pub no_allreduce: bool,
     /// Replay the single-token step as one captured device graph (`--graph on`).
     pub graph: bool,
+    /// Time every op of the decode steps on the device (`--profile`; steps launched one by
+    /// one) and report the totals per op.
+    pub profile: bool,
 }
 
 /// `bench allreduce`: the rows to run, in order, identical on every rank.
@@ -208,6 +211,9 @@ pub enum Report {
         allreduces_per_step: u32,
         /// Kernel launches per decode step (GPU backends; 0 on the CPU).
         launches_per_step: u64,
+        /// With `--profile`: (op label, calls, device seconds) over the decode steps on rank
+        /// 0, largest first; empty otherwise or where the backend cannot profile.
+        profile: Vec<(String, u64, f64)>,
     },
 }
 

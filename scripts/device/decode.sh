@@ -119,8 +119,18 @@ sec_kill() {
     coord=$!
     sleep 8
     pid=$(pgrep -P "$coord" -f -- "--rank 2( |$)" | head -1)
-    t0=$(date +%s%N); kill -9 "$pid"; wait "$coord"; rc=$?; t1=$(date +%s%N)
+    ranks=$(pgrep -P "$coord" | tr '\n' ' ')
+    t0=$(date +%s%N); kill -9 "$pid"
+    # Where the time goes: every 50 ms, each rank's state (R/S/D/Z or gone) and whether the
+    # coordinator has printed its error yet.
+    ( while kill -0 "$coord" 2>/dev/null; do
+        st=""; for r in $ranks; do st="$st $(awk '{print $3}' /proc/$r/stat 2>/dev/null || echo -)"; done
+        echo "$(( ($(date +%s%N) - t0) / 1000000 )) ms: ranks$st, error printed: $(grep -c '^error' "$log")"
+        sleep 0.05
+      done ) > "$out/kill-timeline.txt" 2>&1 &
+    wait "$coord"; rc=$?; t1=$(date +%s%N)
     ms=$(( (t1 - t0) / 1000000 )); sleep 1
+    awk 'NR % 4 == 1' "$out/kill-timeline.txt" | head -40
     echo "exit $rc after $ms ms: $(grep -m1 '^error' "$log"); on the GPU after: $(gpu_apps)"
     { [ $rc -eq 3 ] && [ $ms -le 2000 ] && [ "$(gpu_apps)" -eq 0 ]; } || { fail "sigkill"; tail -5 "$log"; }
     tprun_mps_restart
@@ -137,14 +147,25 @@ sec_synth() {
 sec_tp1() {
     room 60 tp1 || return 0
     echo "== tprun decode TP=1: 256 tokens after a 128-token prompt"
-    for i in 1 graph pdl; do
-        pdl=0; [ "$i" = pdl ] && pdl=1
-        graph=off; [ "$i" != 1 ] && graph=on
-        TPRUN_CUDA_PDL=$pdl $bin --backend cuda --ranks 1 --timeout 30 decode --graph $graph --model $m --prompt-file /tmp/prompt.txt --temperature 0 --max-new-tokens 256 --ignore-eos --json > "$out/l8b-tp1-$i.json" 2>"$out/l8b-tp1.err" || { fail "tp1 $i"; tail -5 "$out/l8b-tp1.err"; continue; }
-        python3 -c "import json;j=json.load(open('$out/l8b-tp1-$i.json'));print(f\"tprun TP=1 (run $i): {j['decode_tokens_per_s']:.1f} tok/s, p50 {j['token_latency_p50_ms']:.3f} ms, {j['weight_gb_per_s']:.0f} GB/s of weights, graph {j['graph']}, {j['kernel_launches_per_token']} launches/token, prompt {j['prefill_tokens']} in {j['prefill_s']*1e3:.0f} ms, load {j['load_s']:.1f} s {j['load_gb_per_s']:.1f} GB/s, device {j['device_bytes_per_rank']/1e9:.1f} GB\")"
+    for i in eager nopdl default profile; do
+        flags=(); pdl=1
+        case $i in eager) flags=(--graph off) ;; nopdl) pdl=0 ;; profile) flags=(--profile) ;; esac
+        TPRUN_CUDA_PDL=$pdl $bin --backend cuda --ranks 1 --timeout 30 decode "${flags[@]}" --model $m --prompt-file /tmp/prompt.txt --temperature 0 --max-new-tokens 256 --ignore-eos --json > "$out/l8b-tp1-$i.json" 2>"$out/l8b-tp1.err" || { fail "tp1 $i"; tail -5 "$out/l8b-tp1.err"; continue; }
+        python3 -c "import json;j=json.load(open('$out/l8b-tp1-$i.json'));print(f\"tprun TP=1 ($i): {j['decode_tokens_per_s']:.1f} tok/s, p50 {j['token_latency_p50_ms']:.3f} ms, {j['weight_gb_per_s']:.0f} GB/s of weights, graph {j['graph']}, {j['kernel_launches_per_token']} launches/token, prompt {j['prefill_tokens']} in {j['prefill_s']*1e3:.0f} ms, load {j['load_s']:.1f} s {j['load_gb_per_s']:.1f} GB/s, device {j['device_bytes_per_rank']/1e9:.1f} GB\")"
     done
-    python3 -c "import json;a=json.load(open('$out/l8b-tp1-graph.json'))['token_ids'];b=json.load(open('$out/l8b-tp1-pdl.json'))['token_ids'];print('PDL tokens == plain tokens:',a==b)" || fail "pdl tokens"
-    python3 -c "import json;a=json.load(open('$out/l8b-tp1-1.json'))['token_ids'];b=json.load(open('$out/l8b-tp1-graph.json'))['token_ids'];print('graph tokens == eager tokens:',a==b)" || fail "graph tokens"
+    python3 - "$out" <<'PY' || fail "tp1 tokens differ between modes"
+import json, sys
+o = sys.argv[1]
+runs = {i: json.load(open(f"{o}/l8b-tp1-{i}.json")) for i in ("eager", "nopdl", "default", "profile")}
+for i, j in runs.items():
+    print(f"{i}: tokens == default's: {j['token_ids'] == runs['default']['token_ids']}")
+p = runs["profile"].get("profile", [])
+tot = sum(e["us_per_token"] for e in p)
+print(f"profile: {tot:.0f} us of device time per token")
+for e in p[:16]:
+    print(f"  {e['us_per_token']:8.1f} us/token  {e['calls'] / 255:5.1f} calls/token  {e['op']}")
+sys.exit(0 if all(j["token_ids"] == runs["default"]["token_ids"] for j in runs.values()) else 1)
+PY
 }
 
 sec_copy() {
@@ -183,7 +204,8 @@ sec_tp4() {
     tprun_devices 4
     echo "== tprun TP=4 on one GPU (MPS)"
     $bin --backend cuda --ranks 4 --devices "$devices" --timeout 120 decode --model $m --prompt-file /tmp/prompt.txt --temperature 0 --max-new-tokens 128 --ignore-eos --json > "$out/l8b-tp4.json" 2>"$out/l8b-tp4.err" || { fail "tp4"; tail -5 "$out/l8b-tp4.err"; return 0; }
-    python3 -c "import json;j=json.load(open('$out/l8b-tp4.json'));print(f\"tprun TP=4 (one GPU): {j['decode_tokens_per_s']:.1f} tok/s, p50 {j['token_latency_p50_ms']:.3f} ms, graph {j['graph']}, {j['allreduces_per_step']} allreduces/step\")"
+    python3 -c "import json;j=json.load(open('$out/l8b-tp4.json'));print(f\"tprun TP=4 (one GPU, MPS): {j['decode_tokens_per_s']:.1f} tok/s, p50 {j['token_latency_p50_ms']:.3f} ms, graph {j['graph']}, {j['allreduces_per_step']} allreduces/step\")"
+    python3 -c "import json;a=json.load(open('$out/l8b-tp4.json'))['token_ids'];b=json.load(open('$out/l8b-tp1-default.json'))['token_ids'][:len(a)];print('TP=4 tokens == TP=1 tokens (first', len(a), '):', a==b)"
     TPRUN_BENCH_NO_ALLREDUCE=1 $bin --backend cuda --ranks 4 --devices "$devices" --timeout 120 decode --model $m --prompt-file /tmp/prompt.txt --temperature 0 --max-new-tokens 128 --ignore-eos --json > "$out/l8b-tp4-noar.json" 2>>"$out/l8b-tp4.err" || { fail "tp4 no-ar"; return 0; }
     python3 -c "import json;a=json.load(open('$out/l8b-tp4.json'));b=json.load(open('$out/l8b-tp4-noar.json'));print(f\"TP=4 without allreduces (timing only): {b['decode_tokens_per_s']:.1f} tok/s, p50 {b['token_latency_p50_ms']:.3f} ms: allreduces cost {a['token_latency_p50_ms']-b['token_latency_p50_ms']:.3f} ms per token\")"
 }

@@ -39,7 +39,7 @@ pub use selftest::{selftest, SelftestResult};
 
 use crate::comm::CommSettings;
 pub use crate::device::IpcMode;
-use crate::device::{Device, DeviceInfo, Export, Op};
+use crate::device::{Device, DeviceInfo, Export, Op, OpTime};
 use crate::{KernelError, Result};
 use launch::{Kernels, Launcher};
 use mem::HostWords;
@@ -78,6 +78,10 @@ pub struct CudaDevice {
     err: HostWords,
     /// Page-locked staging for large host → device writes (weights), made on first use.
     staging: std::sync::Mutex<Option<Staging>>,
+    /// Per-op event pairs while profiling ([`Device::set_profiling`]); `None` when off.
+    profiler: std::sync::Mutex<Option<Profiler>>,
+    /// Set while [`Device::capture`] runs `f` (ops captured then are not timed).
+    capturing: AtomicBool,
     kernels: Kernels,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
@@ -150,6 +154,8 @@ impl CudaDevice {
             last_timeout_ns: AtomicU64::new(0),
             err,
             staging: std::sync::Mutex::new(None),
+            profiler: std::sync::Mutex::new(None),
+            capturing: AtomicBool::new(false),
             kernels,
             stream,
             ctx,
@@ -251,6 +257,36 @@ impl CudaDevice {
         self.ctx
             .bind_to_thread()
             .map_err(driver_err("binding the context"))
+    }
+
+    /// An event for timing, recorded on the stream now.
+    fn timing_event(&self) -> Result<cudarc::driver::CudaEvent> {
+        self.stream
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(driver_err("cuEventRecord"))
+    }
+
+    /// [`Device::launch`] without the profiler.
+    fn launch_op(&self, op: &Op<'_, CudaBuf>) -> Result<()> {
+        let l = self.launcher();
+        match op {
+            Op::Copy(a) => l.copy(&a.src, &a.dst),
+            Op::ReduceSum(a) => l.reduce_sum(a.inputs, &a.out),
+            Op::Allreduce(args) => {
+                // Relaxed: only read back by this device's own error report, after a sync.
+                self.last_timeout_ns.store(
+                    u64::try_from(args.timeout.as_nanos()).unwrap_or(u64::MAX),
+                    Ordering::Relaxed,
+                );
+                let fused = l.allreduce(args)?;
+                // The residual add + norm after the sum, where the kernel did not fuse it.
+                match args.add_norm_op() {
+                    Some(e) if !fused => l.decode_op(&Op::AddRmsNorm(e)),
+                    _ => Ok(()),
+                }
+            }
+            other => l.decode_op(other),
+        }
     }
 
     fn launcher(&self) -> Launcher<'_> {
@@ -480,25 +516,45 @@ impl Device for CudaDevice {
 
     fn launch(&self, op: &Op<'_, CudaBuf>) -> Result<()> {
         self.bind()?;
-        let l = self.launcher();
-        match op {
-            Op::Copy(a) => l.copy(&a.src, &a.dst),
-            Op::ReduceSum(a) => l.reduce_sum(a.inputs, &a.out),
-            Op::Allreduce(args) => {
-                // Relaxed: only read back by this device's own error report, after a sync.
-                self.last_timeout_ns.store(
-                    u64::try_from(args.timeout.as_nanos()).unwrap_or(u64::MAX),
-                    Ordering::Relaxed,
-                );
-                let fused = l.allreduce(args)?;
-                // The residual add + norm after the sum, where the kernel did not fuse it.
-                match args.add_norm_op() {
-                    Some(e) if !fused => l.decode_op(&Op::AddRmsNorm(e)),
-                    _ => Ok(()),
-                }
+        let mut prof = self.profiler.lock().map_err(|_| poisoned("profiler"))?;
+        match prof.as_mut() {
+            Some(p) if !self.capturing.load(Ordering::Relaxed) => {
+                let start = self.timing_event()?;
+                self.launch_op(op)?;
+                let end = self.timing_event()?;
+                p.push(op.label(), start, end)
             }
-            other => l.decode_op(other),
+            _ => {
+                drop(prof);
+                self.launch_op(op)
+            }
         }
+    }
+
+    fn set_profiling(&self, on: bool) -> bool {
+        if let Ok(mut p) = self.profiler.lock() {
+            *p = on.then(Profiler::default);
+        }
+        true
+    }
+
+    fn profile(&self) -> Result<Vec<OpTime>> {
+        let mut prof = self.profiler.lock().map_err(|_| poisoned("profiler"))?;
+        let Some(p) = prof.as_mut() else {
+            return Ok(Vec::new());
+        };
+        p.drain()?;
+        let mut v: Vec<OpTime> = p
+            .totals
+            .iter()
+            .map(|(label, &(calls, seconds))| OpTime {
+                label: label.clone(),
+                calls,
+                seconds,
+            })
+            .collect();
+        v.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
+        Ok(v)
     }
 
     fn replay(&self, graph: &CudaGraph) -> Result<()> {
@@ -518,7 +574,9 @@ impl Device for CudaDevice {
             dr::stream::begin_capture(st, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
         }
         .map_err(driver_err("cuStreamBeginCapture"))?;
+        self.capturing.store(true, Ordering::Relaxed);
         let queued = f();
+        self.capturing.store(false, Ordering::Relaxed);
         // SAFETY: capture was begun above on this stream; end it even if `f` failed.
         let graph =
             unsafe { dr::stream::end_capture(st) }.map_err(driver_err("cuStreamEndCapture"));
@@ -603,5 +661,52 @@ impl Device for CudaDevice {
             .elapsed_ms(&end)
             .map_err(driver_err("cuEventElapsedTime"))?;
         Ok(Duration::from_secs_f64(f64::from(ms) / 1e3))
+    }
+}
+
+fn poisoned(what: &str) -> KernelError {
+    KernelError::Backend(format!("{what} lock poisoned"))
+}
+
+/// Event pairs around each op while profiling, turned into totals per label in batches (an
+/// event pair is read only once the stream has passed it).
+#[derive(Default)]
+struct Profiler {
+    pending: Vec<(String, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>,
+    totals: std::collections::BTreeMap<String, (u64, f64)>,
+}
+
+impl Profiler {
+    /// Most event pairs held before they are read (each read waits for the stream to reach
+    /// the last one: at most one stall per this many ops).
+    const BATCH: usize = 4096;
+
+    fn push(
+        &mut self,
+        label: String,
+        start: cudarc::driver::CudaEvent,
+        end: cudarc::driver::CudaEvent,
+    ) -> Result<()> {
+        self.pending.push((label, start, end));
+        if self.pending.len() >= Self::BATCH {
+            self.drain()?;
+        }
+        Ok(())
+    }
+
+    fn drain(&mut self) -> Result<()> {
+        if let Some((_, _, last)) = self.pending.last() {
+            last.synchronize()
+                .map_err(driver_err("cuEventSynchronize"))?;
+        }
+        for (label, start, end) in self.pending.drain(..) {
+            let ms = start
+                .elapsed_ms(&end)
+                .map_err(driver_err("cuEventElapsedTime"))?;
+            let t = self.totals.entry(label).or_insert((0, 0.0));
+            t.0 += 1;
+            t.1 += f64::from(ms) / 1e3;
+        }
+        Ok(())
     }
 }
