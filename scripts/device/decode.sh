@@ -115,7 +115,7 @@ sec_kill() {
     tprun_devices 4
     echo "== SIGKILL rank 2 mid-decode (4 ranks)"
     log=$(mktemp)
-    $bin --backend cuda --ranks 4 --devices "$devices" decode --model /tmp/q3 --max-new-tokens 100000000 --max-seq 2000000 --ignore-eos > /dev/null 2>"$log" &
+    TPRUN_LOG=${KILL_LOG:-warn} $bin --backend cuda --ranks 4 --devices "$devices" decode --model /tmp/q3 --max-new-tokens 100000000 --max-seq 2000000 --ignore-eos > /dev/null 2>"$log" &
     coord=$!
     sleep 8
     pid=$(pgrep -P "$coord" -f -- "--rank 2( |$)" | head -1)
@@ -125,13 +125,14 @@ sec_kill() {
     # coordinator has printed its error yet.
     ( while kill -0 "$coord" 2>/dev/null; do
         st=""; for r in $ranks; do st="$st $(awk '{print $3}' /proc/$r/stat 2>/dev/null || echo -)"; done
-        echo "$(( ($(date +%s%N) - t0) / 1000000 )) ms: ranks$st, error printed: $(grep -c '^error' "$log")"
+        echo "$(( ($(date +%s%N) - t0) / 1000000 )) ms: ranks$st, error printed: $(grep -c '^error' "$log"), log lines: $(wc -l < "$log")"
         sleep 0.05
       done ) > "$out/kill-timeline.txt" 2>&1 &
     wait "$coord"; rc=$?; t1=$(date +%s%N)
     ms=$(( (t1 - t0) / 1000000 )); sleep 1
     awk 'NR % 4 == 1' "$out/kill-timeline.txt" | head -40
     echo "exit $rc after $ms ms: $(grep -m1 '^error' "$log"); on the GPU after: $(gpu_apps)"
+    cp "$log" "$out/kill.log"
     { [ $rc -eq 3 ] && [ $ms -le 2000 ] && [ "$(gpu_apps)" -eq 0 ]; } || { fail "sigkill"; tail -5 "$log"; }
     tprun_mps_restart
 }
@@ -212,6 +213,7 @@ sec_tp4() {
 
 case "$mode" in
     check) sec_selftest; sec_stories; sec_q3; sec_bad; sec_kill ;;
+    kill) sec_kill ;;
     perf) sec_synth; sec_tp1; sec_copy; sec_peer; sec_hf; sec_tp4 ;;
     all)
         # The 16 GB synth writes on the CPUs while the small correctness runs use the GPU.

@@ -518,14 +518,18 @@ pub(super) mod tests {
         let Some(gpu) = crate::cuda::twin::testing::gpu_or_skip() else {
             return;
         };
-        for (heads, kvh, cap, rows) in [
-            (32usize, 8usize, 4096usize, 1usize),
-            (32, 8, 32_768, 1),
-            (8, 2, 4096, 1),
-            (8, 2, 32_768, 1),
-            (8, 2, 131_072, 1),
-            (32, 8, 512, 1),
-            (32, 8, 4096, 4),
+        // (heads, KV heads, cache rows, rows, positions in use): a short sequence in a
+        // large cache is the decode benchmark's case (a 128-token prompt, 4096 rows).
+        for (heads, kvh, cap, rows, used) in [
+            (32usize, 8usize, 4096usize, 1usize, 256usize),
+            (32, 8, 4096, 1, 1024),
+            (32, 8, 4096, 1, 4096),
+            (32, 8, 32_768, 1, 32_768),
+            (8, 2, 4096, 1, 256),
+            (8, 2, 32_768, 1, 32_768),
+            (8, 2, 131_072, 1, 131_072),
+            (32, 8, 512, 1, 512),
+            (32, 8, 4096, 4, 4096),
         ] {
             let d = 128;
             let dtype = DType::BF16;
@@ -540,7 +544,7 @@ pub(super) mod tests {
                 .unwrap();
             let o = gpu.alloc(qn * 4).unwrap();
             let pos: Vec<u32> = (0..rows as u32)
-                .map(|r| cap as u32 - rows as u32 + r)
+                .map(|r| used as u32 - rows as u32 + r)
                 .collect();
             let pb = gpu.alloc(rows * 4).unwrap();
             gpu.write(&pb, 0, &encode_u32(&pos)).unwrap();
@@ -561,9 +565,9 @@ pub(super) mod tests {
                     workspace: split.then(|| View::new(&ws, 0, wl, DType::F32)),
                 });
                 let t = graph_time(&gpu, &op);
-                let bytes = 2.0 * (cap * kvh * d * 2) as f64;
+                let bytes = 2.0 * (used * kvh * d * 2) as f64;
                 println!(
-                    "TIMING attention {} heads {heads}/{kvh} d {d} bf16 cap {cap} rows {rows}: {:.2} us, {:.0} GB/s of K+V",
+                    "TIMING attention {} split {ATTN_SPLIT} heads {heads}/{kvh} d {d} bf16 cap {cap} used {used} rows {rows}: {:.2} us, {:.0} GB/s of K+V",
                     if split { "split+merge" } else { "single" },
                     t.as_secs_f64() * 1e6,
                     bytes / t.as_secs_f64() / 1e9
