@@ -88,7 +88,9 @@ pub fn run<D: Device>(
         max_new_tokens: spec.max_new_tokens,
         stop: spec.stop.clone(),
     };
-    let mut steps = Vec::with_capacity(spec.max_new_tokens);
+    // One record per token the KV cache leaves room for: never more than `max_new_tokens`,
+    // which need not be bounded by anything else.
+    let mut steps = Vec::with_capacity(gen.budget(model.max_seq(), spec.prompt.len()));
     let mut last: Option<Instant> = None;
     let control = ctx.control.clone();
     let rank = ctx.rank;
