@@ -180,6 +180,10 @@ fn dump_logits<D: Device>(
     let budget = gen.budget(model.max_seq(), prompt.len());
     let mut pos = prompt.len();
     while st.generated < budget {
+        // The full row is on the host here anyway: check it all.
+        if logits.iter().any(|l| !l.is_finite()) {
+            return Err(crate::model::forward::not_finite(st.generated + 1, pos));
+        }
         if let Some(o) = &mut out {
             let bytes: Vec<u8> = logits.iter().flat_map(|l| l.to_le_bytes()).collect();
             o.write_all(&bytes)
