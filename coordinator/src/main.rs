@@ -50,7 +50,7 @@ impl Settings {
                 "--devices lists {world} device(s); a job has 1 to {MAX_RANKS} ranks"
             ));
         }
-        let devices = match &cli.devices {
+        let mut devices = match &cli.devices {
             Some(d) if d.len() != world => {
                 return Err(format!(
                     "--devices lists {} device(s) for {world} rank(s); give one per rank",
@@ -67,7 +67,6 @@ impl Settings {
                 devices.iter_mut().for_each(|d| *d %= n);
             }
         };
-        let mut devices = devices;
         let backend = match cli.backend {
             BackendArg::Cpu => Backend::Cpu,
             BackendArg::Auto => match cuda_devices() {
