@@ -215,12 +215,12 @@ pub struct BenchAllreduceArgs {
           value_parser = whole::<usize>(1, MAX_COUNT as u64))]
     pub counts: Option<Vec<usize>>,
 
-    /// Timed iterations per row, 1 to 1000000 (default: from 100 for small messages down to 5
+    /// Timed iterations per row, 1 to 10^8 (default: from 100 for small messages down to 5
     /// for large).
     #[arg(long, allow_hyphen_values = true, value_parser = whole::<u32>(1, MAX_ITERS as u64))]
     pub iters: Option<u32>,
 
-    /// Untimed iterations before the timed ones, 0 to 1000000 (default: a tenth of --iters, at
+    /// Untimed iterations before the timed ones, 0 to 10^8 (default: a tenth of --iters, at
     /// least 2).
     #[arg(long, allow_hyphen_values = true, value_parser = whole::<u32>(0, MAX_ITERS as u64))]
     pub warmup: Option<u32>,
@@ -296,9 +296,10 @@ pub const MAX_MESSAGE_BYTES: usize = 16 << 30;
 /// Largest `--counts` entry: [`MAX_MESSAGE_BYTES`] of the widest element (f32).
 pub const MAX_COUNT: usize = MAX_MESSAGE_BYTES / 4;
 
-/// Most `--iters` or `--warmup` per row: a million calls of the smallest message already take
-/// seconds; and their sum stays far from u32::MAX, the ranks' loop counter.
-pub const MAX_ITERS: u32 = 1_000_000;
+/// Most `--iters` or `--warmup` per row: 10^8, minutes of calls of the smallest message (the
+/// fault tests' loop that runs until a rank is killed). Their sum stays far below u32::MAX, the
+/// ranks' loop counter, and the f32 time each rank keeps per timed call stays within 400 MB.
+pub const MAX_ITERS: u32 = 100_000_000;
 
 /// A whole number in `lo..=hi`, with a message that says so (negative numbers included, which
 /// the flags accept as values so that they can be refused here with this message).

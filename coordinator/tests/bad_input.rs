@@ -273,7 +273,7 @@ fn bench_flags() {
         b(&["--warmup", "4294967295", "--iters", "1"], "--warmup"),
         b(&["--warmup", "-1"], "--warmup"),
         b(&["--iters", "0"], "--iters"),
-        b(&["--iters", "1000001"], "--iters"),
+        b(&["--iters", "100000001"], "--iters"),
         b(&["--iters", "-3"], "--iters"),
         b(&["--sizes", "0"], "--sizes"),
         b(&["--sizes", "64:8"], "--sizes"),
