@@ -242,11 +242,19 @@ pub fn run(launch: Launch, observer: &mut dyn Observer) -> Result<(), JobError> 
 
     let (tx, rx) = mpsc::channel::<Event>();
     let accepting = Arc::new(AtomicBool::new(true));
-    let acceptor = spawn_acceptor(listener, token, world, tx.clone(), accepting.clone());
+    let ours = OurRanks::default();
+    let acceptor = spawn_acceptor(
+        listener,
+        token,
+        world,
+        tx.clone(),
+        accepting.clone(),
+        ours.clone(),
+    );
 
     let mut ranks: Vec<RankState> = Vec::with_capacity(world);
     for (r, &device) in launch.devices.iter().enumerate() {
-        match spawn_rank(r, device, &sock_path, &token, tx.clone()) {
+        match spawn_rank(r, device, &sock_path, &token, tx.clone()).inspect(|&pid| ours.add(pid)) {
             Ok(pid) => ranks.push(RankState {
                 pid,
                 child_alive: true,
@@ -723,12 +731,32 @@ fn forward_output(rank: usize, stream: impl std::io::Read + Send + 'static) {
     });
 }
 
+/// The pids of the rank processes this coordinator spawned: a connection from one of them
+/// that fails its hello is this job's own rank cut off (typically stopped by an early abort,
+/// whose cause is reported already), not a stranger to warn about.
+#[derive(Clone, Default)]
+struct OurRanks(Arc<std::sync::Mutex<Vec<u32>>>);
+
+impl OurRanks {
+    fn add(&self, pid: u32) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(pid);
+    }
+
+    fn contains(&self, pid: u32) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&pid)
+    }
+}
+
 fn spawn_acceptor(
     listener: Listener,
     token: [u8; 16],
     world: usize,
     tx: Sender<Event>,
     accepting: Arc<AtomicBool>,
+    ours: OurRanks,
 ) -> thread::JoinHandle<()> {
     thread::spawn(move || {
         let my_uid = nix::unistd::getuid().as_raw();
@@ -741,18 +769,33 @@ fn spawn_acceptor(
                     continue;
                 }
             };
-            let tx = tx.clone();
-            thread::spawn(move || handshake(conn, token, world, my_uid, tx));
+            let (tx, ours) = (tx.clone(), ours.clone());
+            thread::spawn(move || handshake(conn, token, world, my_uid, tx, &ours));
         }
     })
 }
 
 /// Admits one client, or refuses it with a log line; a refused client never disturbs the job.
-fn handshake(conn: Conn, token: [u8; 16], world: usize, my_uid: u32, tx: Sender<Event>) {
+/// One of this job's own rank processes is not logged as a stranger: when its hello fails, it
+/// was cut off (an early abort stops ranks mid-hello), and the supervisor reports its end.
+fn handshake(
+    conn: Conn,
+    token: [u8; 16],
+    world: usize,
+    my_uid: u32,
+    tx: Sender<Event>,
+    ours: &OurRanks,
+) {
     let cred = conn.peer_cred().ok();
     let who = cred.map_or("unknown pid".to_string(), |c| format!("pid {}", c.pid));
     let refuse = |reason: String| {
-        eprintln!("tprun: refused a connection from {who}: {reason}");
+        // Looked up now, not at accept: a rank can connect before its spawn has returned its
+        // pid, but it is cut off only once the job stops, after every spawn has returned.
+        if cred.is_some_and(|c| c.pid > 0 && ours.contains(c.pid as u32)) {
+            tracing::debug!("this job's rank process {who} did not join: {reason}");
+        } else {
+            eprintln!("tprun: refused a connection from {who}: {reason}");
+        }
         let _ = conn.send(&Msg::Refused { reason }, &[]);
     };
     if let Some(c) = cred {

@@ -90,7 +90,9 @@ pub fn run<D: Device>(
         max_new_tokens: spec.max_new_tokens,
         stop: spec.stop.clone(),
     };
-    let mut steps = Vec::with_capacity(spec.max_new_tokens);
+    // One record per token the KV cache leaves room for: never more than `max_new_tokens`,
+    // which need not be bounded by anything else.
+    let mut steps = Vec::with_capacity(gen.budget(model.max_seq(), spec.prompt.len()));
     let mut last: Option<Instant> = None;
     let control = ctx.control.clone();
     let rank = ctx.rank;
@@ -196,6 +198,10 @@ fn dump_logits<D: Device>(
     let budget = gen.budget(model.max_seq(), prompt.len());
     let mut pos = prompt.len();
     while st.generated < budget {
+        // The full row is on the host here anyway: check it all.
+        if logits.iter().any(|l| !l.is_finite()) {
+            return Err(crate::model::forward::not_finite(st.generated + 1, pos));
+        }
         if let Some(o) = &mut out {
             let bytes: Vec<u8> = logits.iter().flat_map(|l| l.to_le_bytes()).collect();
             o.write_all(&bytes)

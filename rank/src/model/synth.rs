@@ -1,7 +1,9 @@
 //! Writing a complete Hugging Face model folder with seeded random weights: `config.json`,
 //! `generation_config.json`, `model.safetensors` (streamed to disk a chunk at a time, with a
-//! progress callback) and a byte-level `tokenizer.json`. For tests, benchmarks and demos of
-//! real model shapes without downloading a checkpoint.
+//! progress callback) and a byte-level `tokenizer.json` that covers the whole vocab (the ids
+//! past the bytes decode as made-up words, so a preset's text is never empty whatever ids its
+//! random weights favour). For tests, benchmarks and demos of real model shapes without
+//! downloading a checkpoint.
 //!
 //! Weights are uniform with standard deviation 1/√fan_in (so every projection keeps unit-scale
 //! activations unit-scale), the embedding and LM head 1/√hidden (so logits come out with a
@@ -250,13 +252,47 @@ pub fn synth_ids(text: &str) -> Vec<u32> {
         .collect()
 }
 
-/// A byte-level BPE tokenizer.json with no merges: every byte is one token (id = byte value),
-/// plus `<|bos|>` (added at the start of every encoding) and `<|eos|>`.
-pub fn tokenizer_json() -> Value {
-    let vocab: serde_json::Map<String, Value> = byte_chars()
-        .into_iter()
+/// The text of token `id` >= 258 in [`tokenizer_json`]: a space and a made-up word of one to
+/// three consonant–vowel syllables, numbered in order (" ba", " be", …, " baba", …), so that
+/// noise from a random model reads as words. Distinct for every id below 1 010 358 (100 +
+/// 100² + 100³ words), far more than any preset's vocab; beyond that, ids get a numeric word.
+fn word(id: usize) -> String {
+    const C: &[u8; 20] = b"bcdfghjklmnprstvwxyz";
+    const V: &[u8; 5] = b"aeiou";
+    let mut n = id - 258;
+    let mut w = String::from(" ");
+    for len in 1..=3u32 {
+        let count = 100usize.pow(len);
+        if n < count {
+            for _ in 0..len {
+                let s = n % 100;
+                w.push(C[s / 5] as char);
+                w.push(V[s % 5] as char);
+                n /= 100;
+            }
+            return w;
+        }
+        n -= count;
+    }
+    format!(" w{id}")
+}
+
+/// A byte-level BPE tokenizer.json for a vocab of `vocab` ids, with no merges: every byte is
+/// one token (id = byte value), plus `<|bos|>` (added at the start of every encoding) and
+/// `<|eos|>`; ids 258 and up are words ([`word`]) that encoding never produces (no merge makes
+/// them) but decoding shows, so that every id a model samples has text.
+pub fn tokenizer_json(vocab: usize) -> Value {
+    let bytes = byte_chars();
+    let space = bytes[b' ' as usize];
+    // The special tokens are in the model's vocab too, as in Hugging Face's files: the
+    // tokenizers crate gives an added token missing from it the next free id instead.
+    let vocab: serde_json::Map<String, Value> = bytes
+        .iter()
+        .map(|ch| ch.to_string())
+        .chain(["<|bos|>".to_string(), "<|eos|>".to_string()])
+        .chain((SYNTH_EOS as usize + 1..vocab).map(|id| word(id).replace(' ', &space.to_string())))
         .enumerate()
-        .map(|(i, ch)| (ch.to_string(), json!(i)))
+        .map(|(id, t)| (t, json!(id)))
         .collect();
     let special = |id: u32, s: &str| {
         json!({"id": id, "content": s, "single_word": false, "lstrip": false, "rstrip": false,
@@ -308,7 +344,7 @@ pub fn synth(
         "generation_config.json",
         &json!({"bos_token_id": SYNTH_BOS, "eos_token_id": cfg.eos, "do_sample": false}),
     )?;
-    write_json("tokenizer.json", &tokenizer_json())?;
+    write_json("tokenizer.json", &tokenizer_json(cfg.vocab))?;
 
     let list = tensor_list(&cfg, opts.dtype);
     let total: u64 = list
