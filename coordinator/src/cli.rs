@@ -224,7 +224,8 @@ pub struct BenchAllreduceArgs {
 
 #[derive(Args, Debug)]
 pub struct RankArgs {
-    /// The coordinator's rendezvous socket.
+    /// The coordinator's rendezvous address: a socket path, or @NAME for an abstract socket
+    /// (the coordinator's own, which leaves no file behind).
     #[arg(long)]
     pub join: PathBuf,
 

@@ -1,8 +1,9 @@
-//! Starting and supervising a job: the private rendezvous directory, spawning ranks pinned to
+//! Starting and supervising a job: the rendezvous socket, spawning ranks pinned to
 //! their devices, admitting them, exchanging their buffer exports, and watching them until the
-//! end. Nothing outlives the job: the socket and its directory are removed as soon as every
-//! rank has joined (and on every exit path), ranks die with the coordinator (PDEATHSIG), and
-//! a failed job's ranks are stopped with SIGTERM, then SIGKILL.
+//! end. Nothing outlives the job, however the coordinator dies: the rendezvous socket has an
+//! abstract name (no file; it vanishes with the listening socket, and stops accepting once
+//! every rank has joined), shared memory is memfds, ranks die with the coordinator
+//! (PDEATHSIG), and a failed job's ranks are stopped with SIGTERM, then SIGKILL.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
@@ -139,37 +140,17 @@ enum Event {
     Exited(usize, ExitStatus),
 }
 
-/// Removes the rendezvous directory when dropped (every exit path).
-struct RendezvousDir(Option<PathBuf>);
-
-impl RendezvousDir {
-    fn create() -> anyhow::Result<RendezvousDir> {
-        let base = std::env::var_os("XDG_RUNTIME_DIR")
-            .map(PathBuf::from)
-            .filter(|p| p.is_dir())
-            .unwrap_or_else(std::env::temp_dir);
-        // mkdtemp creates the directory with mode 0700: only our uid can reach the socket.
-        let dir = nix::unistd::mkdtemp(&base.join("tprun-XXXXXX")).map_err(|e| {
-            anyhow::anyhow!("creating a private directory in {}: {e}", base.display())
-        })?;
-        Ok(RendezvousDir(Some(dir)))
-    }
-
-    fn path(&self) -> &Path {
-        self.0.as_deref().expect("directory exists until removed")
-    }
-
-    fn remove(&mut self) {
-        if let Some(d) = self.0.take() {
-            let _ = std::fs::remove_dir_all(d);
-        }
-    }
-}
-
-impl Drop for RendezvousDir {
-    fn drop(&mut self) {
-        self.remove();
-    }
+/// A fresh abstract socket name for a job's rendezvous, `@tprun-<pid>-<random>`: our pid tells
+/// whose it is (`ss -xl`), the random part keeps another process from guessing it before we
+/// bind it. An abstract name has no file and no permissions; the handshake checks each
+/// client's uid and the job token.
+fn rendezvous_name() -> anyhow::Result<PathBuf> {
+    let salt = random_token().map_err(|e| anyhow::anyhow!("reading /dev/urandom: {e}"))?;
+    Ok(PathBuf::from(format!(
+        "@tprun-{}-{}",
+        std::process::id(),
+        hex(&salt[..8])
+    )))
 }
 
 fn random_token() -> anyhow::Result<[u8; 16]> {
@@ -219,8 +200,7 @@ pub fn run(launch: Launch, observer: &mut dyn Observer) -> Result<(), JobError> 
     install_signal_handlers();
     let world = launch.world;
     let token = random_token().map_err(|e| anyhow::anyhow!("reading /dev/urandom: {e}"))?;
-    let mut dir = RendezvousDir::create()?;
-    let sock_path = dir.path().join("rendezvous.sock");
+    let sock_path = rendezvous_name()?;
     let listener =
         Listener::bind(&sock_path).map_err(|e| anyhow::anyhow!("rendezvous socket: {e}"))?;
     let control = Arc::new(
@@ -273,7 +253,6 @@ pub fn run(launch: Launch, observer: &mut dyn Observer) -> Result<(), JobError> 
         launch: &launch,
         control,
         ranks,
-        dir: &mut dir,
         accepting,
         plans,
         joined: 0,
@@ -287,7 +266,6 @@ pub fn run(launch: Launch, observer: &mut dyn Observer) -> Result<(), JobError> 
     let result = sup.supervise(&rx, observer);
     drop(sup);
     let _ = acceptor.join();
-    dir.remove();
     result
 }
 
@@ -295,7 +273,6 @@ struct Supervisor<'a> {
     launch: &'a Launch,
     control: Arc<ControlBlock>,
     ranks: Vec<RankState>,
-    dir: &'a mut RendezvousDir,
     accepting: Arc<AtomicBool>,
     /// Each rank's encoded `Plan`, sent in its `Welcome`.
     plans: Vec<Vec<u8>>,
@@ -478,10 +455,9 @@ impl Supervisor<'_> {
         self.joined += 1;
         self.last_progress = Instant::now();
         if self.joined == self.launch.world {
-            // Everyone is in: nothing else may join, and nothing stays on disk from here on,
-            // even if this process is SIGKILLed later.
+            // Everyone is in: nothing else may join (the acceptor stops and drops the
+            // listener, which frees the name).
             self.accepting.store(false, Ordering::SeqCst);
-            self.dir.remove();
         }
     }
 
@@ -749,16 +725,19 @@ fn spawn_acceptor(
 
 /// Admits one client, or refuses it with a log line; a refused client never disturbs the job.
 fn handshake(conn: Conn, token: [u8; 16], world: usize, my_uid: u32, tx: Sender<Event>) {
-    let cred = conn.peer_cred().ok();
-    let who = cred.map_or("unknown pid".to_string(), |c| format!("pid {}", c.pid));
+    let cred = conn.peer_cred();
+    let who = cred
+        .as_ref()
+        .map_or("unknown pid".to_string(), |c| format!("pid {}", c.pid));
     let refuse = |reason: String| {
         eprintln!("tprun: refused a connection from {who}: {reason}");
         let _ = conn.send(&Msg::Refused { reason }, &[]);
     };
-    if let Some(c) = cred {
-        if c.uid != my_uid {
-            return refuse(format!("uid {} is not ours ({my_uid})", c.uid));
-        }
+    // The abstract socket has no permissions of its own: the uid check is the gate.
+    match cred {
+        Ok(c) if c.uid != my_uid => return refuse(format!("uid {} is not ours ({my_uid})", c.uid)),
+        Ok(_) => {}
+        Err(e) => return refuse(format!("its credentials are unknown: {e}")),
     }
     let (msg, _fds) = match conn.recv(Some(HELLO_TIMEOUT)) {
         Ok(m) => m,

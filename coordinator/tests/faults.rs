@@ -188,21 +188,10 @@ fn strangers_are_refused_and_the_job_goes_on() {
     ];
     // Rank 3 joins 1.5 s late, which keeps the rendezvous socket open for us.
     let child = spawn(&env, &args, Some("delay:3:start-up"));
-    let t0 = Instant::now();
-    let sock = loop {
-        let found = std::fs::read_dir(&env.dir)
-            .unwrap()
-            .flatten()
-            .find_map(|e| {
-                let p = e.path().join("rendezvous.sock");
-                p.exists().then_some(p)
-            });
-        if let Some(p) = found {
-            break p;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(10), "no socket");
-        std::thread::sleep(Duration::from_millis(5));
-    };
+    // The rendezvous address (an abstract name, no file) is on the ranks' command lines.
+    let ranks = wait_for_ranks(child.id(), 4, Duration::from_secs(20));
+    let sock = join_address(ranks[0].1);
+    assert!(sock.to_string_lossy().starts_with('@'), "{sock:?}");
     // Garbage.
     let c = Conn::connect(&sock).unwrap();
     c.send_raw(b"GET / HTTP/1.1\r\n\r\n", &[]).unwrap();
@@ -278,5 +267,21 @@ fn usage_errors_are_one_line_and_exit_2() {
         assert!(err.starts_with("error: "), "{args:?}: {err}");
         assert!(!err.contains("panicked"), "{err}");
     }
+    env.assert_clean();
+}
+
+#[test]
+fn a_coordinator_killed_before_every_rank_joined_leaves_nothing() {
+    use tprun_ipc::wire::Conn;
+    let env = Env::new("kill-coord-early");
+    let mut child = spawn(&env, LOOP, Some("stall:3:start-up"));
+    let ranks = wait_for_ranks(child.id(), 4, Duration::from_secs(20));
+    let sock = join_address(ranks[0].1);
+    sigkill(child.id());
+    let _ = child.wait();
+    let pids: Vec<u32> = ranks.iter().map(|r| r.1).collect();
+    assert!(wait_gone(&pids, Duration::from_secs(2)), "orphan ranks");
+    // The abstract rendezvous name went with the coordinator; no file ever existed.
+    assert!(Conn::connect(&sock).is_err(), "{sock:?} still accepts");
     env.assert_clean();
 }
