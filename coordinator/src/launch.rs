@@ -356,6 +356,7 @@ impl Supervisor<'_> {
                     self.ranks[r].device = device;
                     self.ranks[r].device_uuid = device_uuid;
                     self.ranks[r].exported = Some((items, fds));
+                    self.last_progress = Instant::now();
                     self.maybe_send_peers();
                 }
                 Msg::Report { payload } => match job::decode::<Report>(&payload) {
@@ -545,6 +546,25 @@ impl Supervisor<'_> {
         if beats != self.last_beats {
             self.last_beats = beats;
             self.last_progress = Instant::now();
+        } else if self.last_progress.elapsed() > timeout + Duration::from_secs(1)
+            && !self.peers_sent
+        {
+            // Ranks that have exported wait for us (they cannot tell who is missing, and
+            // their own deadline is later: rank/src/comm.rs, PEERS_SLACK); name the others.
+            let missing: Vec<usize> = (0..self.launch.world)
+                .filter(|&r| self.ranks[r].exported.is_none())
+                .collect();
+            let what: Vec<String> = missing
+                .iter()
+                .map(|&r| format!("{} in {}", self.describe(r), self.control.phase_name(r)))
+                .collect();
+            let m = format!(
+                "no progress for {:.0?} waiting for rank(s) {missing:?} to set up their buffers: {}",
+                timeout,
+                what.join(", ")
+            );
+            let first = missing.first().copied();
+            self.fail(JobError::Timeout(m), AbortReason::Timeout, first);
         } else if self.last_progress.elapsed() > timeout + Duration::from_secs(1) {
             let live: Vec<String> = (0..self.launch.world)
                 .filter(|&r| !self.ranks[r].done && self.ranks[r].child_alive)

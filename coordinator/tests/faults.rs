@@ -271,6 +271,95 @@ fn usage_errors_are_one_line_and_exit_2() {
 }
 
 #[test]
+fn a_stall_in_setup_or_loading_times_out_with_exit_4_naming_the_rank() {
+    let env = Env::new("stall-setup");
+    let bench = [
+        "--ranks",
+        "3",
+        "--timeout",
+        "1",
+        "bench",
+        "allreduce",
+        "--sizes",
+        "4K",
+        "--iters",
+        "3",
+    ];
+    let decode = [
+        "--ranks",
+        "3",
+        "--timeout",
+        "1",
+        "decode",
+        "--max-new-tokens",
+        "4",
+    ];
+    for (args, fault, phase) in [
+        (&bench[..], "stall:2:setup", "setup"),
+        (&decode[..], "stall:2:setup", "setup"),
+        (&decode[..], "stall:2:loading", "loading"),
+    ] {
+        let child = spawn(&env, args, Some(fault));
+        let pid = child.id();
+        let (status, err, _) = finish(child, Instant::now());
+        assert_eq!(status.code(), Some(4), "{fault}: {err}");
+        assert!(err.contains("rank(s) [2]"), "{fault}: {err}");
+        assert!(
+            err.contains("rank 2 (pid") && err.contains(&format!("in {phase}")),
+            "{fault}: {err}"
+        );
+        assert!(err.contains("hint: "), "{fault}: {err}");
+        assert!(children(pid).is_empty(), "{fault}");
+    }
+    env.assert_clean();
+}
+
+#[test]
+fn a_rank_started_by_hand_says_why_it_could_not_join() {
+    let env = Env::new("by-hand");
+    let rank = |join: &str, r: &str| {
+        let mut c = env.cmd();
+        c.args(["rank", "--join", join, "--rank", r])
+            .env("TPRUN_JOB_TOKEN", "00112233445566778899aabbccddeeff");
+        run(c)
+    };
+    let no_file = env.dir.join("nobody.sock");
+    for (join, why) in [
+        ("@tprun-nobody-listens-here", "Connection refused"),
+        (no_file.to_str().unwrap(), "No such file"),
+    ] {
+        let o = rank(join, "0");
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{join}: {err}");
+        assert!(err.starts_with("error: rank 0 could not join"), "{err}");
+        assert_eq!(err.matches("error: ").count(), 1, "{err}");
+        assert!(err.contains(join) && err.contains(why), "{err}");
+    }
+    // A live job refuses a stranger's token. Its rank 1 stalls before joining, so the
+    // rendezvous stays open until we kill that rank.
+    let child = spawn(
+        &env,
+        &["--ranks", "2", "--timeout", "30", "bench", "allreduce"],
+        Some("stall:1:start-up"),
+    );
+    let ranks = wait_for_ranks(child.id(), 2, Duration::from_secs(20));
+    let sock = join_address(ranks[0].1);
+    let o = rank(sock.to_str().unwrap(), "1");
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.starts_with("error: rank 1 could not join"), "{err}");
+    assert!(
+        err.contains("refused") && err.contains("wrong job token"),
+        "{err}"
+    );
+    sigkill(ranks[1].1);
+    let (status, err, _) = finish(child, Instant::now());
+    assert_eq!(status.code(), Some(3), "{err}");
+    assert!(err.contains("refused a connection"), "{err}");
+    env.assert_clean();
+}
+
+#[test]
 fn a_coordinator_killed_before_every_rank_joined_leaves_nothing() {
     use tprun_ipc::wire::Conn;
     let env = Env::new("kill-coord-early");
