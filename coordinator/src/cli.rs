@@ -83,8 +83,8 @@ pub enum Command {
 #[derive(Args, Debug)]
 pub struct DecodeArgs {
     /// Hugging Face model folder (config.json, *.safetensors, tokenizer.json). Default: a tiny
-    /// synthetic Llama that tprun writes to a temporary folder (random weights: the text is
-    /// noise, but every step of the pipeline runs).
+    /// synthetic Llama that every rank makes in memory, never on disk (random weights: the
+    /// text is noise, but every step of the pipeline runs).
     #[arg(long)]
     pub model: Option<PathBuf>,
 

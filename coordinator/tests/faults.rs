@@ -374,3 +374,38 @@ fn a_coordinator_killed_before_every_rank_joined_leaves_nothing() {
     assert!(Conn::connect(&sock).is_err(), "{sock:?} still accepts");
     env.assert_clean();
 }
+
+#[test]
+fn decode_whose_reader_goes_away_dies_by_sigpipe_and_leaves_nothing() {
+    use std::io::Read;
+    let env = Env::new("sigpipe");
+    // The embedded default model, for long enough that the reader leaves mid-stream.
+    let mut child = spawn(
+        &env,
+        &[
+            "--ranks",
+            "4",
+            "decode",
+            "--ignore-eos",
+            "--max-new-tokens",
+            "60000",
+            "--max-seq",
+            "65536",
+        ],
+        None,
+    );
+    let ranks = wait_for_ranks(child.id(), 4, Duration::from_secs(20));
+    let mut out = child.stdout.take().unwrap();
+    let mut head = [0u8; 20];
+    out.read_exact(&mut head).unwrap();
+    drop(out);
+    let (status, err, _) = finish(child, Instant::now());
+    assert_eq!(
+        status.signal(),
+        Some(Signal::SIGPIPE as i32),
+        "{status:?}: {err}"
+    );
+    let pids: Vec<u32> = ranks.iter().map(|r| r.1).collect();
+    assert!(wait_gone(&pids, Duration::from_secs(2)), "orphan ranks");
+    env.assert_clean();
+}
