@@ -92,8 +92,8 @@ pub enum Command {
 #[derive(Args, Debug)]
 pub struct DecodeArgs {
     /// Hugging Face model folder (config.json, *.safetensors, tokenizer.json). Default: a tiny
-    /// synthetic Llama that tprun writes to a temporary folder (random weights: the text is
-    /// noise, but every step of the pipeline runs).
+    /// synthetic Llama that every rank makes in memory, never on disk (random weights: the
+    /// text is noise, but every step of the pipeline runs).
     #[arg(long)]
     pub model: Option<PathBuf>,
 
@@ -247,7 +247,8 @@ pub struct BenchAllreduceArgs {
 
 #[derive(Args, Debug)]
 pub struct RankArgs {
-    /// The coordinator's rendezvous socket.
+    /// The coordinator's rendezvous address: a socket path, or @NAME for an abstract socket
+    /// (the coordinator's own, which leaves no file behind).
     #[arg(long)]
     pub join: PathBuf,
 

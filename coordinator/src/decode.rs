@@ -4,13 +4,13 @@
 //! summary. It never loads weights itself.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tprun_kernels::DType;
-use tprun_rank::job::{DecodeSpec, Report, Task};
+use tprun_rank::job::{DecodeSpec, ModelSource, Report, Task};
 use tprun_rank::model::forward::{LoadOptions, DEFAULT_MAX_SEQ};
 use tprun_rank::model::{
     synth, Arch, GenerateOptions, ModelConfig, Preset, ShardPlan, SynthOptions,
@@ -23,15 +23,6 @@ use crate::{dtype_arg, Settings};
 
 const DEFAULT_PROMPT: &str = "Once upon a time";
 
-/// A folder removed on drop (the embedded default model).
-struct TempModel(PathBuf);
-
-impl Drop for TempModel {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 fn usage(m: impl Into<String>) -> JobError {
     JobError::Usage(m.into())
 }
@@ -40,21 +31,71 @@ fn bad(m: impl std::fmt::Display) -> JobError {
     JobError::Setup(anyhow::anyhow!("{m}"))
 }
 
-/// Writes the embedded default model: a tiny synthetic Llama in a private temporary folder.
-fn default_model() -> Result<TempModel, JobError> {
-    let dir = nix::unistd::mkdtemp(&std::env::temp_dir().join("tprun-model-XXXXXX"))
-        .map_err(|e| bad(format!("creating a folder for the default model: {e}")))?;
-    let guard = TempModel(dir);
-    let opts = SynthOptions {
-        arch: Arch::Llama,
-        preset: Preset::Tiny,
-        dtype: DType::F32,
-        seed: 0,
-        tie_embeddings: None,
-    };
-    synth(&guard.0, &opts, &mut |_, _| {})
-        .map_err(|e| bad(format!("writing the default model: {e}")))?;
-    Ok(guard)
+/// The embedded default model: `synth`'s tiny Llama, which every rank makes in memory
+/// (`synth::in_memory`), so that it never touches the filesystem.
+const DEFAULT_MODEL: SynthOptions = SynthOptions {
+    arch: Arch::Llama,
+    preset: Preset::Tiny,
+    dtype: DType::F32,
+    seed: 0,
+    tie_embeddings: None,
+};
+
+/// The model of a decode job, as the coordinator sees it.
+struct ModelInput {
+    /// What the ranks are told to load.
+    source: ModelSource,
+    cfg: ModelConfig,
+    tok: Tokenizer,
+    /// How messages and the JSON output name it: the folder, or the embedded default.
+    name: String,
+}
+
+impl ModelInput {
+    /// The folder `--model` names (its config, tokenizer and stored dtype read and checked
+    /// here), or the embedded default.
+    fn open(model: Option<&Path>) -> Result<ModelInput, JobError> {
+        let Some(dir) = model else {
+            let cfg = synth::config_for(&DEFAULT_MODEL);
+            let tok = Tokenizer::from_json(
+                "the default model's tokenizer",
+                synth::tokenizer_json(cfg.vocab).to_string().as_bytes(),
+            )
+            .map_err(bad)?;
+            return Ok(ModelInput {
+                source: ModelSource::Synthetic(DEFAULT_MODEL),
+                cfg,
+                tok,
+                name: "the embedded default (synthetic, in memory)".into(),
+            });
+        };
+        let dir = std::fs::canonicalize(dir)
+            .map_err(|e| bad(format!("model folder {}: {e}", dir.display())))?;
+        let cfg = ModelConfig::from_dir(&dir).map_err(bad)?;
+        let tok = Tokenizer::from_dir(&dir).map_err(bad)?;
+        let path = dir
+            .to_str()
+            .ok_or_else(|| bad(format!("the model path {} is not UTF-8", dir.display())))?
+            .to_string();
+        Ok(ModelInput {
+            source: ModelSource::Dir(path.clone()),
+            cfg,
+            tok,
+            name: path,
+        })
+    }
+
+    /// The dtype its weights are stored in.
+    fn stored_dtype(&self) -> Result<DType, JobError> {
+        match &self.source {
+            ModelSource::Synthetic(o) => Ok(o.dtype),
+            ModelSource::Dir(dir) => {
+                tprun_rank::model::safetensors::Checkpoint::open(Path::new(dir))
+                    .and_then(|c| c.dtype_of("model.embed_tokens.weight"))
+                    .map_err(bad)
+            }
+        }
+    }
 }
 
 struct Streamer {
@@ -169,28 +210,18 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
     // parsed (cli.rs); here the names, then what needs the model.
     let dtype = dtype_arg("--dtype", &args.dtype, &["auto"]).map_err(usage)?;
     let kv_dtype = dtype_arg("--kv-dtype", &args.kv_dtype, &["auto"]).map_err(usage)?;
-    let _default;
-    let dir: PathBuf = match &args.model {
-        Some(d) => d.clone(),
-        None => {
-            _default = default_model()?;
-            _default.0.clone()
-        }
-    };
-    let dir = std::fs::canonicalize(&dir)
-        .map_err(|e| bad(format!("model folder {}: {e}", dir.display())))?;
-    let cfg = ModelConfig::from_dir(&dir).map_err(bad)?;
+    let model = ModelInput::open(args.model.as_deref())?;
+    let (cfg, name) = (model.cfg.clone(), model.name.clone());
     for r in 0..settings.world {
         ShardPlan::new(&cfg, r, settings.world).map_err(bad)?;
     }
-    let tok = Tokenizer::from_dir(&dir).map_err(bad)?;
     let text = match (&args.prompt, &args.prompt_file) {
         (Some(p), _) => p.clone(),
         (None, Some(f)) => std::fs::read_to_string(f)
             .map_err(|e| bad(format!("prompt file {}: {e}", f.display())))?,
         (None, None) => DEFAULT_PROMPT.to_string(),
     };
-    let prompt = tok.encode(&text).map_err(bad)?;
+    let prompt = model.tok.encode(&text).map_err(bad)?;
     // The ranks size their KV cache the same way (LoadOptions::context).
     let context = LoadOptions {
         max_seq: args.max_seq,
@@ -203,10 +234,9 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
     if prompt.len() >= context {
         return Err(bad(format!(
             "the prompt is {} tokens; the context holds {context} (--max-seq, or \
-             max_position_embeddings {} in {} capped at {DEFAULT_MAX_SEQ})",
+             max_position_embeddings {} of {name} capped at {DEFAULT_MAX_SEQ})",
             prompt.len(),
             cfg.max_positions,
-            dir.join("config.json").display()
         )));
     }
     if !args.json {
@@ -214,7 +244,7 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
             "tprun decode: {} rank(s), backend {}; model {} ({}, {} layers, hidden {}, {} heads / {} kv heads)",
             settings.world,
             settings.backend.name(),
-            dir.display(),
+            name,
             cfg.arch.hf_name(),
             cfg.layers,
             cfg.hidden,
@@ -237,19 +267,13 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
     // auto: 16-bit weights get a bf16 cache, f32 weights an f32 one.
     let weights_dtype = match dtype {
         Some(d) => d,
-        None => tprun_rank::model::safetensors::Checkpoint::open(&dir)
-            .and_then(|c| c.dtype_of("model.embed_tokens.weight"))
-            .map_err(bad)?,
+        None => model.stored_dtype()?,
     };
     let kv_dtype = kv_dtype.unwrap_or(if weights_dtype == DType::F32 {
         DType::F32
     } else {
         DType::BF16
     });
-    let model_path = dir
-        .to_str()
-        .ok_or_else(|| bad(format!("the model path {} is not UTF-8", dir.display())))?
-        .to_string();
     let dump_logits = match &args.dump_logits {
         None => None,
         Some(p) => Some(
@@ -259,7 +283,7 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
         ),
     };
     let spec = DecodeSpec {
-        model: model_path,
+        model: model.source,
         dtype,
         kv_dtype,
         max_seq: args.max_seq,
@@ -286,7 +310,7 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
         profile: args.profile,
     };
     let mut st = Streamer {
-        tok,
+        tok: model.tok,
         stream: TextStream::new(),
         ids: Vec::new(),
         text: String::new(),
@@ -344,7 +368,7 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
         let mut v = json!({
             "world": settings.world,
             "backend": settings.backend.name(),
-            "model": dir,
+            "model": name,
             "prompt": text,
             "prompt_ids": prompt,
             "token_ids": st.ids,

@@ -1,8 +1,9 @@
-//! Starting and supervising a job: the private rendezvous directory, spawning ranks pinned to
+//! Starting and supervising a job: the rendezvous socket, spawning ranks pinned to
 //! their devices, admitting them, exchanging their buffer exports, and watching them until the
-//! end. Nothing outlives the job: the socket and its directory are removed as soon as every
-//! rank has joined (and on every exit path), ranks die with the coordinator (PDEATHSIG), and
-//! a failed job's ranks are stopped with SIGTERM, then SIGKILL.
+//! end. Nothing outlives the job, however the coordinator dies: the rendezvous socket has an
+//! abstract name (no file; it vanishes with the listening socket, and stops accepting once
+//! every rank has joined), shared memory is memfds, ranks die with the coordinator
+//! (PDEATHSIG), and a failed job's ranks are stopped with SIGTERM, then SIGKILL.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
@@ -139,37 +140,17 @@ enum Event {
     Exited(usize, ExitStatus),
 }
 
-/// Removes the rendezvous directory when dropped (every exit path).
-struct RendezvousDir(Option<PathBuf>);
-
-impl RendezvousDir {
-    fn create() -> anyhow::Result<RendezvousDir> {
-        let base = std::env::var_os("XDG_RUNTIME_DIR")
-            .map(PathBuf::from)
-            .filter(|p| p.is_dir())
-            .unwrap_or_else(std::env::temp_dir);
-        // mkdtemp creates the directory with mode 0700: only our uid can reach the socket.
-        let dir = nix::unistd::mkdtemp(&base.join("tprun-XXXXXX")).map_err(|e| {
-            anyhow::anyhow!("creating a private directory in {}: {e}", base.display())
-        })?;
-        Ok(RendezvousDir(Some(dir)))
-    }
-
-    fn path(&self) -> &Path {
-        self.0.as_deref().expect("directory exists until removed")
-    }
-
-    fn remove(&mut self) {
-        if let Some(d) = self.0.take() {
-            let _ = std::fs::remove_dir_all(d);
-        }
-    }
-}
-
-impl Drop for RendezvousDir {
-    fn drop(&mut self) {
-        self.remove();
-    }
+/// A fresh abstract socket name for a job's rendezvous, `@tprun-<pid>-<random>`: our pid tells
+/// whose it is (`ss -xl`), the random part keeps another process from guessing it before we
+/// bind it. An abstract name has no file and no permissions; the handshake checks each
+/// client's uid and the job token.
+fn rendezvous_name() -> anyhow::Result<PathBuf> {
+    let salt = random_token().map_err(|e| anyhow::anyhow!("reading /dev/urandom: {e}"))?;
+    Ok(PathBuf::from(format!(
+        "@tprun-{}-{}",
+        std::process::id(),
+        hex(&salt[..8])
+    )))
 }
 
 fn random_token() -> anyhow::Result<[u8; 16]> {
@@ -219,8 +200,7 @@ pub fn run(launch: Launch, observer: &mut dyn Observer) -> Result<(), JobError> 
     install_signal_handlers();
     let world = launch.world;
     let token = random_token().map_err(|e| anyhow::anyhow!("reading /dev/urandom: {e}"))?;
-    let mut dir = RendezvousDir::create()?;
-    let sock_path = dir.path().join("rendezvous.sock");
+    let sock_path = rendezvous_name()?;
     let listener =
         Listener::bind(&sock_path).map_err(|e| anyhow::anyhow!("rendezvous socket: {e}"))?;
     let control = Arc::new(
@@ -281,7 +261,6 @@ pub fn run(launch: Launch, observer: &mut dyn Observer) -> Result<(), JobError> 
         launch: &launch,
         control,
         ranks,
-        dir: &mut dir,
         accepting,
         plans,
         joined: 0,
@@ -295,7 +274,6 @@ pub fn run(launch: Launch, observer: &mut dyn Observer) -> Result<(), JobError> 
     let result = sup.supervise(&rx, observer);
     drop(sup);
     let _ = acceptor.join();
-    dir.remove();
     result
 }
 
@@ -303,7 +281,6 @@ struct Supervisor<'a> {
     launch: &'a Launch,
     control: Arc<ControlBlock>,
     ranks: Vec<RankState>,
-    dir: &'a mut RendezvousDir,
     accepting: Arc<AtomicBool>,
     /// Each rank's encoded `Plan`, sent in its `Welcome`.
     plans: Vec<Vec<u8>>,
@@ -387,6 +364,7 @@ impl Supervisor<'_> {
                     self.ranks[r].device = device;
                     self.ranks[r].device_uuid = device_uuid;
                     self.ranks[r].exported = Some((items, fds));
+                    self.last_progress = Instant::now();
                     self.maybe_send_peers();
                 }
                 Msg::Report { payload } => match job::decode::<Report>(&payload) {
@@ -486,10 +464,9 @@ impl Supervisor<'_> {
         self.joined += 1;
         self.last_progress = Instant::now();
         if self.joined == self.launch.world {
-            // Everyone is in: nothing else may join, and nothing stays on disk from here on,
-            // even if this process is SIGKILLed later.
+            // Everyone is in: nothing else may join (the acceptor stops and drops the
+            // listener, which frees the name).
             self.accepting.store(false, Ordering::SeqCst);
-            self.dir.remove();
         }
     }
 
@@ -577,6 +554,25 @@ impl Supervisor<'_> {
         if beats != self.last_beats {
             self.last_beats = beats;
             self.last_progress = Instant::now();
+        } else if self.last_progress.elapsed() > timeout + Duration::from_secs(1)
+            && !self.peers_sent
+        {
+            // Ranks that have exported wait for us (they cannot tell who is missing, and
+            // their own deadline is later: rank/src/comm.rs, PEERS_SLACK); name the others.
+            let missing: Vec<usize> = (0..self.launch.world)
+                .filter(|&r| self.ranks[r].exported.is_none())
+                .collect();
+            let what: Vec<String> = missing
+                .iter()
+                .map(|&r| format!("{} in {}", self.describe(r), self.control.phase_name(r)))
+                .collect();
+            let m = format!(
+                "no progress for {:.0?} waiting for rank(s) {missing:?} to set up their buffers: {}",
+                timeout,
+                what.join(", ")
+            );
+            let first = missing.first().copied();
+            self.fail(JobError::Timeout(m), AbortReason::Timeout, first);
         } else if self.last_progress.elapsed() > timeout + Duration::from_secs(1) {
             let live: Vec<String> = (0..self.launch.world)
                 .filter(|&r| !self.ranks[r].done && self.ranks[r].child_alive)
@@ -786,22 +782,28 @@ fn handshake(
     tx: Sender<Event>,
     ours: &OurRanks,
 ) {
-    let cred = conn.peer_cred().ok();
-    let who = cred.map_or("unknown pid".to_string(), |c| format!("pid {}", c.pid));
+    let cred = conn.peer_cred();
+    let who = cred
+        .as_ref()
+        .map_or("unknown pid".to_string(), |c| format!("pid {}", c.pid));
     let refuse = |reason: String| {
         // Looked up now, not at accept: a rank can connect before its spawn has returned its
         // pid, but it is cut off only once the job stops, after every spawn has returned.
-        if cred.is_some_and(|c| c.pid > 0 && ours.contains(c.pid as u32)) {
+        if cred
+            .as_ref()
+            .is_ok_and(|c| c.pid > 0 && ours.contains(c.pid as u32))
+        {
             tracing::debug!("this job's rank process {who} did not join: {reason}");
         } else {
             eprintln!("tprun: refused a connection from {who}: {reason}");
         }
         let _ = conn.send(&Msg::Refused { reason }, &[]);
     };
-    if let Some(c) = cred {
-        if c.uid != my_uid {
-            return refuse(format!("uid {} is not ours ({my_uid})", c.uid));
-        }
+    // The abstract socket has no permissions of its own: the uid check is the gate.
+    match &cred {
+        Ok(c) if c.uid != my_uid => return refuse(format!("uid {} is not ours ({my_uid})", c.uid)),
+        Ok(_) => {}
+        Err(e) => return refuse(format!("its credentials are unknown: {e}")),
     }
     let (msg, _fds) = match conn.recv(Some(HELLO_TIMEOUT)) {
         Ok(m) => m,

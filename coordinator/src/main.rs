@@ -332,10 +332,16 @@ fn run_rank(args: &cli::RankArgs) -> i32 {
         Ok(()) => 0,
         Err(e) if e.is_abort() => 3,
         Err(e) => {
-            // The coordinator got the same message as `Failed` and reports it; a rank started
-            // by hand has nobody else to tell.
+            // The coordinator got the same message as `Failed` and reports it; a rank that
+            // never joined, or one started by hand, has nobody else to tell.
             tracing::debug!("rank {} failed: {e}", args.rank);
-            if std::env::var_os("TPRUN_JOB_TOKEN").is_none() {
+            if e.is_join() {
+                eprintln!("error: {e}");
+                eprintln!(
+                    "hint: --join takes the coordinator's rendezvous address (a path, or @name \
+                     for an abstract socket) and TPRUN_JOB_TOKEN or --token-file its job token"
+                );
+            } else if std::env::var_os("TPRUN_JOB_TOKEN").is_none() {
                 eprintln!("error: {e}");
             }
             if e.is_timeout() {

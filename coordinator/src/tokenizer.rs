@@ -28,6 +28,17 @@ impl Tokenizer {
         Ok(Tokenizer { inner, path })
     }
 
+    /// A tokenizer from `tokenizer.json`'s contents, called `name` in messages (the embedded
+    /// default model's, which has no file).
+    pub fn from_json(name: &str, json: &[u8]) -> Result<Tokenizer> {
+        let inner = tokenizers::Tokenizer::from_bytes(json)
+            .map_err(|e| anyhow!("{name}: cannot load: {e}"))?;
+        Ok(Tokenizer {
+            inner,
+            path: PathBuf::from(name),
+        })
+    }
+
     fn err(&self, what: &str, e: tokenizers::Error) -> anyhow::Error {
         anyhow!("{}: {what}: {e}", self.path.display())
     }

@@ -10,8 +10,11 @@ use tprun_ipc::{Conn, Msg};
 use tprun_kernels::Device;
 
 use crate::comm::Communicator;
-use crate::job::{self, Backend, DecodeSpec, Report};
-use crate::model::{generate, GenerateOptions, LoadOptions, Model, ModelConfig, SamplerConfig};
+use crate::job::{self, Backend, DecodeSpec, ModelSource, Report};
+use crate::model::safetensors::Checkpoint;
+use crate::model::{
+    generate, synth, GenerateOptions, LoadOptions, Model, ModelConfig, SamplerConfig,
+};
 use crate::run::RankCtx;
 use crate::{Phase, RankError};
 
@@ -33,15 +36,21 @@ pub fn run<D: Device>(
         max_seq: spec.max_seq,
         ..LoadOptions::default()
     };
-    let cfg = ModelConfig::from_dir(Path::new(&spec.model))?;
     // Loading a large shard is disk-bound and may outlast --timeout; it beats on its own
     // thread meanwhile so that the coordinator does not take it for a stall. Rank 0 reports
     // its bytes (at most every 1/8 s: the coordinator only draws a bar).
     let mut last = Instant::now();
-    let mut model = ctx.beating(|| {
-        Model::load_with_progress(
+    let mut model = ctx.beating(|| -> Result<Model<D>, RankError> {
+        let (cfg, ck) = match &spec.model {
+            ModelSource::Dir(dir) => (
+                ModelConfig::from_dir(Path::new(dir))?,
+                Checkpoint::open(Path::new(dir))?,
+            ),
+            ModelSource::Synthetic(opts) => synth::in_memory(opts)?,
+        };
+        Ok(Model::load_checkpoint(
             dev.clone(),
-            Path::new(&spec.model),
+            &ck,
             cfg,
             ctx.rank,
             ctx.world,
@@ -53,7 +62,7 @@ pub fn run<D: Device>(
                     let _ = report(conn, &Report::LoadProgress { done, total });
                 }
             },
-        )
+        )?)
     })?;
     if ctx.rank == 0 {
         report(

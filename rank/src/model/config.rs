@@ -16,7 +16,7 @@ use tprun_kernels::DType;
 use super::ModelError;
 
 /// Which transformer variant a checkpoint is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Arch {
     Llama,
     Mistral,

@@ -322,8 +322,22 @@ impl<D: Device> Model<D> {
         opts: &LoadOptions,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Model<D>, ModelError> {
-        let plan = ShardPlan::new(&cfg, rank, world)?;
         let ck = Checkpoint::open(dir)?;
+        Self::load_checkpoint(dev, &ck, cfg, rank, world, opts, progress)
+    }
+
+    /// [`Model::load_with_progress`] from an open checkpoint (one made in memory included:
+    /// `synth::in_memory`).
+    pub fn load_checkpoint(
+        dev: Arc<D>,
+        ck: &Checkpoint,
+        cfg: ModelConfig,
+        rank: usize,
+        world: usize,
+        opts: &LoadOptions,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Model<D>, ModelError> {
+        let plan = ShardPlan::new(&cfg, rank, world)?;
         let wsize = match opts.dtype {
             Some(d) => d.size(),
             None => ck.dtype_of("model.embed_tokens.weight")?.size(),
@@ -346,7 +360,7 @@ impl<D: Device> Model<D> {
                 )));
             }
         }
-        let w = weights::load(&*dev, &ck, &cfg, &plan, opts.dtype, &mut |b| {
+        let w = weights::load(&*dev, ck, &cfg, &plan, opts.dtype, &mut |b| {
             progress(b, total)
         })?;
         let mut m = Self::from_weights(dev, cfg, plan, w, opts.kv_dtype, sizes)?;

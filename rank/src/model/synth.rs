@@ -11,6 +11,7 @@
 
 use std::path::Path;
 
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tprun_kernels::dtype::encode;
 use tprun_kernels::DType;
@@ -19,7 +20,7 @@ use super::rng::Rng;
 use super::{safetensors, Arch, Llama3Scaling, ModelConfig, ModelError};
 
 /// Model shapes `synth` knows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Preset {
     /// For CI: hidden 64, 3 layers, 8 heads over 4 KV heads, an odd MLP width (97), vocab 300.
     Tiny,
@@ -63,7 +64,7 @@ impl Arch {
     }
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SynthOptions {
     pub arch: Arch,
     pub preset: Preset,
@@ -345,7 +346,39 @@ pub fn synth(
         &json!({"bos_token_id": SYNTH_BOS, "eos_token_id": cfg.eos, "do_sample": false}),
     )?;
     write_json("tokenizer.json", &tokenizer_json(cfg.vocab))?;
+    write_weights(&dir.join("model.safetensors"), opts, progress)?;
+    Ok(cfg)
+}
 
+/// The model `synth` writes for `opts`, made in memory instead: its config, and a checkpoint
+/// whose one file is a memfd. Nothing touches the filesystem, so nothing can be left there
+/// however the process ends; the memory goes with the last mapping. The embedded default of
+/// `decode` runs from this on every rank.
+pub fn in_memory(
+    opts: &SynthOptions,
+) -> Result<(ModelConfig, safetensors::Checkpoint), ModelError> {
+    use std::os::fd::AsRawFd;
+    let memfd =
+        nix::sys::memfd::memfd_create(c"tprun-synth-model", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
+            .map_err(|e| ModelError::io("memfd_create", e.into()))?;
+    // The memfd's name in /proc: writing and mapping it there is writing and mapping a file
+    // (opening it again shares the memfd's memory), so the writer and reader need no second way in.
+    let path = std::path::PathBuf::from(format!("/proc/self/fd/{}", memfd.as_raw_fd()));
+    write_weights(&path, opts, &mut |_, _| {})?;
+    let ck = safetensors::Checkpoint::single(&path, Path::new("memfd:tprun-synth-model"))?;
+    // The checkpoint's map holds the memory from here on.
+    drop(memfd);
+    Ok((config_for(opts), ck))
+}
+
+/// Writes the weights of `synth`'s model for `opts` to the safetensors file `path`.
+/// `progress(done, total)` is called with bytes of tensor data written so far.
+fn write_weights(
+    path: &Path,
+    opts: &SynthOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<(), ModelError> {
+    let cfg = config_for(opts);
     let list = tensor_list(&cfg, opts.dtype);
     let total: u64 = list
         .iter()
@@ -357,7 +390,7 @@ pub fn synth(
         .collect();
     let mut done = 0u64;
     progress(0, total);
-    safetensors::write(&dir.join("model.safetensors"), &header, &mut |i, out| {
+    safetensors::write(path, &header, &mut |i, out| {
         let (_, dtype, shape, init) = &list[i];
         // Each tensor has its own stream, so its values do not depend on the others' sizes.
         let mut rng = Rng::new(opts.seed ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
@@ -375,13 +408,42 @@ pub fn synth(
             left -= k;
         }
         Ok(())
-    })?;
-    Ok(cfg)
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_in_memory_model_is_the_folder_model_with_no_file() {
+        let opts = SynthOptions {
+            arch: Arch::Qwen2,
+            preset: Preset::Tiny,
+            dtype: DType::BF16,
+            seed: 7,
+            tie_embeddings: None,
+        };
+        let dir = std::env::temp_dir().join(format!("tprun-synth-mem-{}", std::process::id()));
+        let cfg = synth(&dir, &opts, &mut |_, _| {}).unwrap();
+        let on_disk = safetensors::Checkpoint::open(&dir).unwrap();
+        let (mem_cfg, in_mem) = in_memory(&opts).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(mem_cfg, cfg);
+        for (name, _, shape, _) in tensor_list(&cfg, opts.dtype) {
+            let full = safetensors::Slice::Full;
+            assert!(in_mem.contains(&name), "{name}");
+            assert_eq!(
+                in_mem.read_f32(&name, &shape, &full).unwrap(),
+                on_disk.read_f32(&name, &shape, &full).unwrap(),
+                "{name}"
+            );
+        }
+        // What the checkpoint maps is a memfd, not a file anywhere on disk.
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        assert!(maps.contains("/memfd:tprun-synth-model"), "{maps}");
+        drop(in_mem);
+    }
 
     #[test]
     fn presets_have_real_shapes() {
