@@ -10,7 +10,6 @@ use tprun_rank::job::{Algo, BenchRow, BenchSpec, Report, Task};
 
 use crate::cli::BenchAllreduceArgs;
 use crate::launch::{JobError, Observer};
-use crate::sizes;
 use crate::Settings;
 
 /// Iterations when --iters is not given: enough for a stable median on small messages,
@@ -19,6 +18,8 @@ fn default_iters(bytes: usize) -> u32 {
     ((32usize << 20) / bytes.max(1)).clamp(5, 100) as u32
 }
 
+/// The rows of the job: every dtype × algorithm × size. The flags' numbers were bounded as
+/// they were parsed (cli.rs, sizes.rs); this checks the names and how the flags combine.
 pub fn rows(args: &BenchAllreduceArgs) -> Result<Vec<BenchRow>> {
     let algos: Vec<Algo> = if args.tune {
         vec![Algo::Oneshot, Algo::Twoshot]
@@ -29,7 +30,7 @@ pub fn rows(args: &BenchAllreduceArgs) -> Result<Vec<BenchRow>> {
             .iter()
             .map(|a| {
                 Algo::parse(a).ok_or_else(|| {
-                    anyhow::anyhow!("unknown algorithm '{a}' (host, oneshot, twoshot, auto, all)")
+                    anyhow::anyhow!("unknown --algo '{a}' (host, oneshot, twoshot, auto, all)")
                 })
             })
             .collect::<Result<_>>()?
@@ -45,24 +46,19 @@ pub fn rows(args: &BenchAllreduceArgs) -> Result<Vec<BenchRow>> {
     for &dtype in &dtypes {
         let counts: Vec<usize> = match &args.counts {
             Some(c) => c.clone(),
-            None => sizes::parse_sizes(&args.sizes)
-                .map_err(|e| anyhow::anyhow!(e))?
-                .into_iter()
+            None => args
+                .sizes
+                .0
+                .iter()
                 .map(|b| b / dtype.size())
                 .filter(|&c| c > 0)
                 .collect(),
         };
-        if counts.contains(&0) {
-            bail!("--counts must be positive");
-        }
         for &algo in &algos {
             for &count in &counts {
                 let iters = args
                     .iters
                     .unwrap_or_else(|| default_iters(count * dtype.size()));
-                if iters == 0 {
-                    bail!("--iters must be at least 1");
-                }
                 rows.push(BenchRow {
                     algo,
                     dtype,
@@ -74,7 +70,7 @@ pub fn rows(args: &BenchAllreduceArgs) -> Result<Vec<BenchRow>> {
         }
     }
     if rows.is_empty() {
-        bail!("no sizes to run (every size is smaller than one element)");
+        bail!("no --sizes to run (every size is smaller than one element)");
     }
     Ok(rows)
 }
@@ -138,6 +134,8 @@ struct Collector {
     out: Vec<RowOut>,
     json: bool,
     printed_header: bool,
+    /// Why a finished row could not be reported, if one could not.
+    failed: Option<String>,
 }
 
 impl Collector {
@@ -148,17 +146,22 @@ impl Collector {
             .collect();
         let row = self.rows[i];
         let iters = reps.iter().map(|r| r.1.len()).min().unwrap_or(0);
+        if iters == 0 {
+            // No time to report: a table row of NaN would read as a measurement.
+            self.failed.get_or_insert(format!(
+                "row {i} ({} {} {} elements): a rank reported no timed iteration",
+                row.algo.name(),
+                row.dtype,
+                row.count
+            ));
+            return;
+        }
         // Per iteration the slowest rank's time, then the median and p99 over iterations.
         let mut per_iter: Vec<f64> = (0..iters)
             .map(|k| reps.iter().map(|r| r.1[k] as f64).fold(0.0, f64::max))
             .collect();
         per_iter.sort_by(f64::total_cmp);
-        let pick = |q: f64| -> f64 {
-            if per_iter.is_empty() {
-                return f64::NAN;
-            }
-            per_iter[((per_iter.len() - 1) as f64 * q).round() as usize]
-        };
+        let pick = |q: f64| -> f64 { per_iter[((per_iter.len() - 1) as f64 * q).round() as usize] };
         let (med, p99) = (pick(0.5), pick(0.99));
         let bytes = row.count * row.dtype.size();
         let algbw = bytes as f64 / (med * 1e-6) / 1e9;
@@ -263,6 +266,7 @@ pub fn run(settings: &Settings, args: &BenchAllreduceArgs) -> Result<i32, JobErr
         out: Vec::new(),
         json: args.json,
         printed_header: false,
+        failed: None,
     };
     if !args.json {
         println!(
@@ -278,6 +282,9 @@ pub fn run(settings: &Settings, args: &BenchAllreduceArgs) -> Result<i32, JobErr
         check: args.check,
     });
     crate::launch::run(settings.launch(task), &mut col)?;
+    if let Some(why) = col.failed {
+        return Err(JobError::RankError(tprun_rank::FailKind::Internal, why));
+    }
     let wrong: u64 = col.out.iter().map(|r| r.wrong).sum();
     let tuned = args.tune.then(|| tune(&col.out));
     if args.json {

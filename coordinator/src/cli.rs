@@ -1,10 +1,15 @@
-//! Command-line flags (clap derive). Raw flags only; `main.rs` and the command modules turn
-//! them into validated settings and report bad combinations as usage errors (exit 2).
+//! Command-line flags (clap derive). Every number is bounded here, where it enters, by the
+//! value parsers at the end of this file: nothing downstream sees a count that overflows its
+//! arithmetic or sizes an absurd allocation, and clap reports a bad value as one `error:` line
+//! naming the flag (exit 2). `main.rs` and the command modules check what spans several flags
+//! or needs the model (usage errors too).
 
 use std::path::PathBuf;
 
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use tprun_ipc::control::MAX_RANKS;
+use tprun_kernels::ops::TOPK_MAX;
 use tprun_kernels::IpcMode;
 
 #[derive(Parser, Debug)]
@@ -21,8 +26,10 @@ Environment: TPRUN_LOG=debug for logs; TPRUN_FAULT=<stall|exit|abort>:<rank>:<ph
 fault (tests only)."
 )]
 pub struct Cli {
-    /// Number of ranks (processes). Default: one per entry of --devices, else 1.
-    #[arg(long, short = 'n', global = true)]
+    /// Number of ranks (processes), 1 to 64. Default: one per entry of --devices, else 1
+    /// (selftest: 2).
+    #[arg(long, short = 'n', global = true, allow_hyphen_values = true,
+          value_parser = whole::<usize>(1, MAX_RANKS as u64))]
     pub ranks: Option<usize>,
 
     /// Device layer: auto picks a GPU backend when one is usable, else cpu.
@@ -31,11 +38,13 @@ pub struct Cli {
 
     /// Device of each rank, comma-separated (default 0..N-1). Repeats are allowed:
     /// 0,0,0,0 puts four ranks on one device.
-    #[arg(long, value_delimiter = ',', global = true)]
+    #[arg(long, value_delimiter = ',', global = true, allow_negative_numbers = true,
+          value_parser = whole::<usize>(0, MAX_DEVICE as u64))]
     pub devices: Option<Vec<usize>>,
 
-    /// Seconds any wait may take before the job is declared stalled (exit 4).
-    #[arg(long, default_value_t = 60.0, global = true)]
+    /// Seconds any wait may take before the job is declared stalled (exit 4); 0.001 to 86400.
+    #[arg(long, default_value_t = 60.0, global = true, allow_hyphen_values = true,
+          value_parser = seconds)]
     pub timeout: f64,
 
     /// How GPU ranks share buffers: fd (VMM + POSIX fds), legacy (cudaIpc handles), auto.
@@ -83,8 +92,8 @@ pub enum Command {
 #[derive(Args, Debug)]
 pub struct DecodeArgs {
     /// Hugging Face model folder (config.json, *.safetensors, tokenizer.json). Default: a tiny
-    /// synthetic Llama that tprun writes to a temporary folder (random weights: the text is
-    /// noise, but every step of the pipeline runs).
+    /// synthetic Llama that every rank makes in memory, never on disk (random weights: the
+    /// text is noise, but every step of the pipeline runs).
     #[arg(long)]
     pub model: Option<PathBuf>,
 
@@ -96,25 +105,28 @@ pub struct DecodeArgs {
     #[arg(long)]
     pub prompt_file: Option<PathBuf>,
 
-    /// Most tokens to generate.
-    #[arg(long, default_value_t = 128)]
+    /// Most tokens to generate (the KV cache's length caps it too).
+    #[arg(long, default_value_t = 128, allow_hyphen_values = true,
+          value_parser = whole::<usize>(0, u64::MAX))]
     pub max_new_tokens: usize,
 
     /// Sampling temperature; 0 = greedy.
-    #[arg(long, default_value_t = 0.8)]
+    #[arg(long, default_value_t = 0.8, allow_hyphen_values = true, value_parser = temperature)]
     pub temperature: f32,
 
-    /// Nucleus sampling: keep the smallest set of tokens with this much probability.
-    #[arg(long, default_value_t = 0.95)]
+    /// Nucleus sampling: keep the smallest set of tokens with this much probability (0, 1].
+    #[arg(long, default_value_t = 0.95, allow_hyphen_values = true, value_parser = top_p)]
     pub top_p: f32,
 
     /// Keep only the K most likely tokens (1..=64; 0 = all of the 64 candidates the device
     /// sampler gathers: tokens beyond the 64 most likely are never sampled).
-    #[arg(long, default_value_t = 40)]
+    #[arg(long, default_value_t = 40, allow_hyphen_values = true,
+          value_parser = whole::<usize>(0, TOPK_MAX as u64))]
     pub top_k: usize,
 
     /// Seed of the sampler (every rank uses it, so all agree on each token).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_hyphen_values = true,
+          value_parser = whole::<u64>(0, u64::MAX))]
     pub seed: u64,
 
     /// Dtype of the weight matrices on the device: auto (as stored), f32, bf16, f16.
@@ -128,7 +140,8 @@ pub struct DecodeArgs {
 
     /// KV-cache length in tokens (prompt + generated); default: the model's context, at most
     /// 4096. Its memory is allocated up front on every rank.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true,
+          value_parser = whole::<usize>(1, u32::MAX as u64 - 1))]
     pub max_seq: Option<usize>,
 
     /// Greedy decoding one step at a time, writing every step's full-vocab logits (f32 little
@@ -175,7 +188,8 @@ pub struct SynthArgs {
     pub dtype: String,
 
     /// Seed of the random weights.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_hyphen_values = true,
+          value_parser = whole::<u64>(0, u64::MAX))]
     pub seed: u64,
 }
 
@@ -196,20 +210,24 @@ pub struct BenchAllreduceArgs {
     pub dtype: Vec<String>,
 
     /// Message sizes in bytes: MIN:MAX doubling (8:64M), or a comma list (4K,1M). K/M/G are
-    /// binary (KiB, MiB, GiB). Rounded down to whole elements.
-    #[arg(long, default_value = "8:64M")]
-    pub sizes: String,
+    /// binary (KiB, MiB, GiB); 1 byte to 16G. Rounded down to whole elements.
+    #[arg(long, default_value = "8:64M", value_parser = crate::sizes::byte_sizes)]
+    pub sizes: crate::sizes::ByteSizes,
 
-    /// Message sizes in elements instead of bytes (comma list, e.g. 1,7,1001).
-    #[arg(long, value_delimiter = ',', conflicts_with = "sizes")]
+    /// Message sizes in elements instead of bytes (comma list, e.g. 1,7,1001; at most 2^32,
+    /// 16 GiB of f32).
+    #[arg(long, value_delimiter = ',', conflicts_with = "sizes", allow_negative_numbers = true,
+          value_parser = whole::<usize>(1, MAX_COUNT as u64))]
     pub counts: Option<Vec<usize>>,
 
-    /// Timed iterations per row (default: from 100 for small messages down to 5 for large).
-    #[arg(long)]
+    /// Timed iterations per row, 1 to 10^8 (default: from 100 for small messages down to 5
+    /// for large).
+    #[arg(long, allow_hyphen_values = true, value_parser = whole::<u32>(1, MAX_ITERS as u64))]
     pub iters: Option<u32>,
 
-    /// Untimed iterations before the timed ones (default: a tenth of --iters, at least 2).
-    #[arg(long)]
+    /// Untimed iterations before the timed ones, 0 to 10^8 (default: a tenth of --iters, at
+    /// least 2).
+    #[arg(long, allow_hyphen_values = true, value_parser = whole::<u32>(0, MAX_ITERS as u64))]
     pub warmup: Option<u32>,
 
     /// After each row's timed calls, run 3 untimed calls with fresh known inputs and compare
@@ -229,14 +247,16 @@ pub struct BenchAllreduceArgs {
 
 #[derive(Args, Debug)]
 pub struct RankArgs {
-    /// The coordinator's rendezvous socket.
+    /// The coordinator's rendezvous address: a socket path, or @NAME for an abstract socket
+    /// (the coordinator's own, which leaves no file behind).
     #[arg(long)]
     pub join: PathBuf,
 
     /// This rank's number (0-based). Everything else (its device, the job's settings) comes
     /// from the coordinator's plan; a GPU rank uses the one GPU it sees first (set
     /// CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES, or give its container one GPU).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true,
+          value_parser = whole::<usize>(0, MAX_RANKS as u64 - 1))]
     pub rank: usize,
 
     /// File holding the job token (hex). Default: the TPRUN_JOB_TOKEN environment variable.
@@ -254,6 +274,141 @@ pub struct InfoArgs {
 #[derive(Args, Debug)]
 pub struct SelftestArgs {
     /// Seed of the random inputs of the kernel checks.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, allow_hyphen_values = true,
+          value_parser = whole::<u64>(0, u64::MAX))]
     pub seed: u64,
+}
+
+// ---- bounds and value parsers ----------------------------------------------------------------
+
+/// Largest `--devices` entry. A device number is an ordinal within one host (CUDA numbers its
+/// devices from 0); 1023 is far beyond any host's count and keeps CUDA_VISIBLE_DEVICES a small
+/// number.
+pub const MAX_DEVICE: usize = 1023;
+
+/// Longest `--timeout`, in seconds: one day. Every deadline adds it to an `Instant` and the job
+/// spec carries it in milliseconds; a day fits both with room to spare, and a wait longer than
+/// a day is a hang, not slowness.
+pub const MAX_TIMEOUT_S: f64 = 86_400.0;
+
+/// Shortest `--timeout`: one millisecond, the unit the job spec carries.
+pub const MIN_TIMEOUT_S: f64 = 0.001;
+
+/// Largest allreduce message of `bench allreduce`, in bytes: 16 GiB, the top of the largest
+/// sweep nccl-tests is commonly run with (`-e 16G`). Bounds every size and count, so that
+/// count × element size never overflows and the ranks' buffers stay allocatable.
+pub const MAX_MESSAGE_BYTES: usize = 16 << 30;
+
+/// Largest `--counts` entry: [`MAX_MESSAGE_BYTES`] of the widest element (f32).
+pub const MAX_COUNT: usize = MAX_MESSAGE_BYTES / 4;
+
+/// Most `--iters` or `--warmup` per row: 10^8, minutes of calls of the smallest message (the
+/// fault tests' loop that runs until a rank is killed). Their sum stays far below u32::MAX, the
+/// ranks' loop counter, and the f32 time each rank keeps per timed call stays within 400 MB.
+pub const MAX_ITERS: u32 = 100_000_000;
+
+/// A whole number in `lo..=hi`, with a message that says so (negative numbers included, which
+/// the flags accept as values so that they can be refused here with this message).
+fn whole<T>(lo: u64, hi: u64) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync
+where
+    T: TryFrom<u64>,
+{
+    move |s: &str| {
+        let range = if hi == u64::MAX {
+            format!("a whole number >= {lo}")
+        } else {
+            format!("a whole number from {lo} to {hi}")
+        };
+        let v: u64 = s.trim().parse().map_err(|_| format!("expected {range}"))?;
+        if v < lo || v > hi {
+            return Err(format!("out of range: expected {range}"));
+        }
+        T::try_from(v).map_err(|_| "too large for this machine's word".to_string())
+    }
+}
+
+/// A finite number (no NaN or infinity).
+fn finite(s: &str) -> Result<f64, String> {
+    let v: f64 = s.trim().parse().map_err(|_| "not a number".to_string())?;
+    if !v.is_finite() {
+        return Err("not a finite number".into());
+    }
+    Ok(v)
+}
+
+/// `--timeout`: seconds in [`MIN_TIMEOUT_S`, `MAX_TIMEOUT_S`].
+fn seconds(s: &str) -> Result<f64, String> {
+    let v = finite(s)?;
+    if !(MIN_TIMEOUT_S..=MAX_TIMEOUT_S).contains(&v) {
+        return Err(format!(
+            "out of range: expected seconds from {MIN_TIMEOUT_S} to {MAX_TIMEOUT_S} (a day)"
+        ));
+    }
+    Ok(v)
+}
+
+/// `--temperature`: finite and >= 0 (0 = greedy).
+fn temperature(s: &str) -> Result<f32, String> {
+    let v = finite(s)? as f32;
+    if !(v >= 0.0 && v.is_finite()) {
+        return Err("out of range: expected a finite number >= 0".into());
+    }
+    Ok(v)
+}
+
+/// `--top-p`: in (0, 1].
+fn top_p(s: &str) -> Result<f32, String> {
+    let v = finite(s)? as f32;
+    if !(v > 0.0 && v <= 1.0) {
+        return Err("out of range: expected a number in (0, 1]".into());
+    }
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn numbers_are_bounded_where_they_enter() {
+        let w = whole::<u32>(1, 10);
+        assert_eq!(w("7"), Ok(7));
+        for bad in ["0", "11", "-1", "x", "1.5", "99999999999999999999999"] {
+            assert!(w(bad).is_err(), "{bad}");
+        }
+        assert!(whole::<u32>(0, u64::MAX)("4294967296").is_err());
+        assert_eq!(seconds("60"), Ok(60.0));
+        for bad in ["1e20", "0", "-1", "nan", "inf", "0.0001", "86401"] {
+            assert!(seconds(bad).is_err(), "{bad}");
+        }
+        assert_eq!(temperature("0"), Ok(0.0));
+        for bad in ["-1", "nan", "inf", "1e39"] {
+            assert!(temperature(bad).is_err(), "{bad}");
+        }
+        for bad in ["0", "1.5", "-0.5", "nan"] {
+            assert!(top_p(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn negative_numbers_reach_the_bound_check() {
+        let e = Cli::try_parse_from(["tprun", "decode", "--temperature", "-1"]).unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("--temperature") && text.contains(">= 0"),
+            "{text}"
+        );
+        let e = Cli::try_parse_from(["tprun", "bench", "allreduce", "--counts", "8,-1"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--counts") && e.contains("whole number"), "{e}");
+        let c = Cli::try_parse_from(["tprun", "--ranks", "2", "decode", "--temperature", "0"]);
+        assert!(c.is_ok());
+    }
 }

@@ -4,15 +4,17 @@
 //! summary. It never loads weights itself.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tprun_kernels::DType;
-use tprun_rank::job::{DecodeSpec, Report, Task};
+use tprun_rank::job::{DecodeSpec, ModelSource, Report, Task};
 use tprun_rank::model::forward::{LoadOptions, DEFAULT_MAX_SEQ};
-use tprun_rank::model::{synth, Arch, ModelConfig, Preset, ShardPlan, SynthOptions};
+use tprun_rank::model::{
+    synth, Arch, GenerateOptions, ModelConfig, Preset, ShardPlan, SynthOptions,
+};
 
 use crate::cli::{DecodeArgs, SynthArgs};
 use crate::launch::{JobError, Observer};
@@ -20,15 +22,6 @@ use crate::tokenizer::{TextStream, Tokenizer};
 use crate::{dtype_arg, Settings};
 
 const DEFAULT_PROMPT: &str = "Once upon a time";
-
-/// A folder removed on drop (the embedded default model).
-struct TempModel(PathBuf);
-
-impl Drop for TempModel {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn usage(m: impl Into<String>) -> JobError {
     JobError::Usage(m.into())
@@ -38,21 +31,71 @@ fn bad(m: impl std::fmt::Display) -> JobError {
     JobError::Setup(anyhow::anyhow!("{m}"))
 }
 
-/// Writes the embedded default model: a tiny synthetic Llama in a private temporary folder.
-fn default_model() -> Result<TempModel, JobError> {
-    let dir = nix::unistd::mkdtemp(&std::env::temp_dir().join("tprun-model-XXXXXX"))
-        .map_err(|e| bad(format!("creating a folder for the default model: {e}")))?;
-    let guard = TempModel(dir);
-    let opts = SynthOptions {
-        arch: Arch::Llama,
-        preset: Preset::Tiny,
-        dtype: DType::F32,
-        seed: 0,
-        tie_embeddings: None,
-    };
-    synth(&guard.0, &opts, &mut |_, _| {})
-        .map_err(|e| bad(format!("writing the default model: {e}")))?;
-    Ok(guard)
+/// The embedded default model: `synth`'s tiny Llama, which every rank makes in memory
+/// (`synth::in_memory`), so that it never touches the filesystem.
+const DEFAULT_MODEL: SynthOptions = SynthOptions {
+    arch: Arch::Llama,
+    preset: Preset::Tiny,
+    dtype: DType::F32,
+    seed: 0,
+    tie_embeddings: None,
+};
+
+/// The model of a decode job, as the coordinator sees it.
+struct ModelInput {
+    /// What the ranks are told to load.
+    source: ModelSource,
+    cfg: ModelConfig,
+    tok: Tokenizer,
+    /// How messages and the JSON output name it: the folder, or the embedded default.
+    name: String,
+}
+
+impl ModelInput {
+    /// The folder `--model` names (its config, tokenizer and stored dtype read and checked
+    /// here), or the embedded default.
+    fn open(model: Option<&Path>) -> Result<ModelInput, JobError> {
+        let Some(dir) = model else {
+            let cfg = synth::config_for(&DEFAULT_MODEL);
+            let tok = Tokenizer::from_json(
+                "the default model's tokenizer",
+                synth::tokenizer_json(cfg.vocab).to_string().as_bytes(),
+            )
+            .map_err(bad)?;
+            return Ok(ModelInput {
+                source: ModelSource::Synthetic(DEFAULT_MODEL),
+                cfg,
+                tok,
+                name: "the embedded default (synthetic, in memory)".into(),
+            });
+        };
+        let dir = std::fs::canonicalize(dir)
+            .map_err(|e| bad(format!("model folder {}: {e}", dir.display())))?;
+        let cfg = ModelConfig::from_dir(&dir).map_err(bad)?;
+        let tok = Tokenizer::from_dir(&dir).map_err(bad)?;
+        let path = dir
+            .to_str()
+            .ok_or_else(|| bad(format!("the model path {} is not UTF-8", dir.display())))?
+            .to_string();
+        Ok(ModelInput {
+            source: ModelSource::Dir(path.clone()),
+            cfg,
+            tok,
+            name: path,
+        })
+    }
+
+    /// The dtype its weights are stored in.
+    fn stored_dtype(&self) -> Result<DType, JobError> {
+        match &self.source {
+            ModelSource::Synthetic(o) => Ok(o.dtype),
+            ModelSource::Dir(dir) => {
+                tprun_rank::model::safetensors::Checkpoint::open(Path::new(dir))
+                    .and_then(|c| c.dtype_of("model.embed_tokens.weight"))
+                    .map_err(bad)
+            }
+        }
+    }
 }
 
 struct Streamer {
@@ -61,6 +104,8 @@ struct Streamer {
     ids: Vec<u32>,
     text: String,
     json: bool,
+    /// stdout is a terminal: control characters in the text are shown escaped.
+    terminal: bool,
     spinner: Option<ProgressBar>,
     /// The prompt, echoed to stdout once loading is over (not under the progress bar).
     echo: Option<String>,
@@ -117,8 +162,13 @@ impl Observer for Streamer {
                 Ok(Some(piece)) => {
                     self.text.push_str(&piece);
                     if !self.json {
+                        let shown = if self.terminal {
+                            escape_controls(&piece)
+                        } else {
+                            piece.as_str().into()
+                        };
                         let mut o = std::io::stdout().lock();
-                        let _ = o.write_all(piece.as_bytes());
+                        let _ = o.write_all(shown.as_bytes());
                         let _ = o.flush();
                     }
                 }
@@ -129,73 +179,64 @@ impl Observer for Streamer {
     }
 }
 
-fn percentile(sorted: &[f32], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
+/// Text for a terminal: control characters other than newline and tab (a token can be a
+/// bell, a backspace, an escape that starts a terminal command) as `\xNN`; the rest as is.
+/// Generated text is data, and must not drive the terminal it is shown on.
+fn escape_controls(text: &str) -> std::borrow::Cow<'_, str> {
+    let shown = |c: char| !c.is_control() || c == '\n' || c == '\t';
+    if text.chars().all(shown) {
+        return text.into();
     }
-    sorted[((sorted.len() - 1) as f64 * q).round() as usize] as f64
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if shown(c) {
+            out.push(c);
+        } else {
+            // Every control character is below U+00A0: two hex digits hold it.
+            out.push_str(&format!("\\x{:02x}", c as u32));
+        }
+    }
+    out.into()
+}
+
+/// The `q` quantile of sorted values; `None` when there are none.
+fn percentile(sorted: &[f32], q: f64) -> Option<f64> {
+    let last = sorted.len().checked_sub(1)?;
+    Some(sorted[(last as f64 * q).round() as usize] as f64)
 }
 
 pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
+    // The numbers (--temperature, --top-p, --top-k, --max-seq, ...) were bounded as they were
+    // parsed (cli.rs); here the names, then what needs the model.
     let dtype = dtype_arg("--dtype", &args.dtype, &["auto"]).map_err(usage)?;
-    if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
-        return Err(usage("--temperature must be a finite number >= 0"));
-    }
-    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
-        return Err(usage("--top-p must be in (0, 1]"));
-    }
-    if args.top_k > tprun_kernels::ops::TOPK_MAX {
-        return Err(usage(format!(
-            "--top-k {} is more than the {} candidates the sampler gathers",
-            args.top_k,
-            tprun_kernels::ops::TOPK_MAX
-        )));
-    }
     let kv_dtype = dtype_arg("--kv-dtype", &args.kv_dtype, &["auto"]).map_err(usage)?;
-    if args.max_seq == Some(0) {
-        return Err(usage("--max-seq must be at least 1"));
-    }
-    let _default;
-    let dir: PathBuf = match &args.model {
-        Some(d) => d.clone(),
-        None => {
-            _default = default_model()?;
-            _default.0.clone()
-        }
-    };
-    let dir = std::fs::canonicalize(&dir)
-        .map_err(|e| bad(format!("model folder {}: {e}", dir.display())))?;
-    let cfg = ModelConfig::from_dir(&dir).map_err(bad)?;
+    let model = ModelInput::open(args.model.as_deref())?;
+    let (cfg, name) = (model.cfg.clone(), model.name.clone());
     for r in 0..settings.world {
         ShardPlan::new(&cfg, r, settings.world).map_err(bad)?;
     }
-    let tok = Tokenizer::from_dir(&dir).map_err(bad)?;
     let text = match (&args.prompt, &args.prompt_file) {
         (Some(p), _) => p.clone(),
         (None, Some(f)) => std::fs::read_to_string(f)
             .map_err(|e| bad(format!("prompt file {}: {e}", f.display())))?,
         (None, None) => DEFAULT_PROMPT.to_string(),
     };
-    let prompt = tok.encode(&text).map_err(bad)?;
+    let prompt = model.tok.encode(&text).map_err(bad)?;
     // The ranks size their KV cache the same way (LoadOptions::context).
     let context = LoadOptions {
         max_seq: args.max_seq,
         ..LoadOptions::default()
     }
     .context(&cfg);
-    if context >= u32::MAX as usize {
-        return Err(usage(format!("--max-seq {context}: positions are 32-bit")));
-    }
     if prompt.is_empty() {
         return Err(bad("the prompt encodes to no tokens"));
     }
     if prompt.len() >= context {
         return Err(bad(format!(
             "the prompt is {} tokens; the context holds {context} (--max-seq, or \
-             max_position_embeddings {} in {} capped at {DEFAULT_MAX_SEQ})",
+             max_position_embeddings {} of {name} capped at {DEFAULT_MAX_SEQ})",
             prompt.len(),
             cfg.max_positions,
-            dir.join("config.json").display()
         )));
     }
     if !args.json {
@@ -203,7 +244,7 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
             "tprun decode: {} rank(s), backend {}; model {} ({}, {} layers, hidden {}, {} heads / {} kv heads)",
             settings.world,
             settings.backend.name(),
-            dir.display(),
+            name,
             cfg.arch.hf_name(),
             cfg.layers,
             cfg.hidden,
@@ -226,19 +267,13 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
     // auto: 16-bit weights get a bf16 cache, f32 weights an f32 one.
     let weights_dtype = match dtype {
         Some(d) => d,
-        None => tprun_rank::model::safetensors::Checkpoint::open(&dir)
-            .and_then(|c| c.dtype_of("model.embed_tokens.weight"))
-            .map_err(bad)?,
+        None => model.stored_dtype()?,
     };
     let kv_dtype = kv_dtype.unwrap_or(if weights_dtype == DType::F32 {
         DType::F32
     } else {
         DType::BF16
     });
-    let model_path = dir
-        .to_str()
-        .ok_or_else(|| bad(format!("the model path {} is not UTF-8", dir.display())))?
-        .to_string();
     let dump_logits = match &args.dump_logits {
         None => None,
         Some(p) => Some(
@@ -248,13 +283,18 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
         ),
     };
     let spec = DecodeSpec {
-        model: model_path,
+        model: model.source,
         dtype,
         kv_dtype,
         max_seq: args.max_seq,
         dump_logits,
+        // What the context leaves room for, at most: the ranks size their step records by it.
+        max_new_tokens: GenerateOptions {
+            max_new_tokens: args.max_new_tokens,
+            stop: vec![],
+        }
+        .budget(context, prompt.len()),
         prompt: prompt.clone(),
-        max_new_tokens: args.max_new_tokens,
         stop: if args.ignore_eos {
             vec![]
         } else {
@@ -270,11 +310,12 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
         profile: args.profile,
     };
     let mut st = Streamer {
-        tok,
+        tok: model.tok,
         stream: TextStream::new(),
         ids: Vec::new(),
         text: String::new(),
         json: args.json,
+        terminal: std::io::IsTerminal::is_terminal(&std::io::stdout()),
         spinner,
         echo: (!args.json).then(|| text.clone()),
         loaded_s: None,
@@ -312,20 +353,22 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
     };
     step_us.sort_by(f32::total_cmp);
     let load_s = st.loaded_s.unwrap_or(f64::NAN);
-    let prefill_tps = prompt_tokens as f64 / prefill_s;
-    let decode_tps = generated.saturating_sub(1) as f64 / decode_s;
+    // No prefill runs when no token is to be generated (--max-new-tokens 0).
+    let prefill_tps = (prefill_s > 0.0).then(|| prompt_tokens as f64 / prefill_s);
     let load_gbps = st.load_bytes as f64 / load_s / 1e9;
+    // Per-token figures exist only from the second token on (the time between two tokens):
+    // with 0 or 1 generated tokens they are absent (null in JSON, left out of the summary).
+    let p50_us = percentile(&step_us, 0.5);
+    let decode_tps = (generated > 1).then(|| (generated - 1) as f64 / decode_s);
     // Effective weight bandwidth of rank 0: the bytes one step reads over the median step.
-    let step_gbps = step_bytes as f64 / (percentile(&step_us, 0.5) / 1e6) / 1e9;
-    let (p50, p99) = (
-        percentile(&step_us, 0.5) / 1e3,
-        percentile(&step_us, 0.99) / 1e3,
-    );
+    let step_gbps = p50_us.map(|p| step_bytes as f64 / (p / 1e6) / 1e9);
+    let p50 = p50_us.map(|p| p / 1e3);
+    let p99 = percentile(&step_us, 0.99).map(|p| p / 1e3);
     if args.json {
         let mut v = json!({
             "world": settings.world,
             "backend": settings.backend.name(),
-            "model": dir,
+            "model": name,
             "prompt": text,
             "prompt_ids": prompt,
             "token_ids": st.ids,
@@ -363,13 +406,27 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
         }
         println!("{}", serde_json::to_string_pretty(&v).expect("json"));
     } else {
+        let rates = match (decode_tps, step_gbps, p50, p99) {
+            (Some(tps), Some(gbps), Some(p50), Some(p99)) => format!(
+                " ({tps:.1} tok/s, {gbps:.0} GB/s of weights{}) · per token p50 {p50:.2} ms, \
+                 p99 {p99:.2} ms",
+                if graph { ", one graph per token" } else { "" }
+            ),
+            _ => String::new(),
+        };
+        let prefill = match prefill_tps {
+            Some(tps) => format!("{:.1} ms ({tps:.0} tok/s)", prefill_s * 1e3),
+            None => "–".into(),
+        };
         eprintln!(
-            "load {load_s:.2} s ({load_gbps:.1} GB/s) · prefill {prompt_tokens} tokens {:.1} ms ({prefill_tps:.0} tok/s) · \
-             decode {generated} tokens {:.2} s ({decode_tps:.1} tok/s, {step_gbps:.0} GB/s of weights{}) · per token p50 {p50:.2} ms, p99 {p99:.2} ms{}",
-            prefill_s * 1e3,
+            "load {load_s:.2} s ({load_gbps:.1} GB/s) · prefill {prompt_tokens} tokens {prefill} \
+             · decode {generated} tokens {:.2} s{rates}{}",
             decode_s,
-            if graph { ", one graph per token" } else { "" },
-            if stopped { " · stopped at end of sequence" } else { "" }
+            if stopped {
+                " · stopped at end of sequence"
+            } else {
+                ""
+            }
         );
         if args.profile {
             print_profile(&profile, generated);
@@ -455,4 +512,27 @@ pub fn synth_cmd(args: &SynthArgs) -> Result<i32, JobError> {
         dtype
     );
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_characters_are_escaped_for_a_terminal() {
+        assert_eq!(
+            escape_controls("plain text\n\tindented"),
+            "plain text\n\tindented"
+        );
+        assert_eq!(
+            escape_controls("a\x07b\x08c\x0e\x7f\x1b[2J\r\u{85}é"),
+            "a\\x07b\\x08c\\x0e\\x7f\\x1b[2J\\x0d\\x85é"
+        );
+    }
+
+    #[test]
+    fn no_quantile_of_nothing() {
+        assert_eq!(percentile(&[], 0.5), None);
+        assert_eq!(percentile(&[1.0, 2.0, 3.0], 0.5), Some(2.0));
+    }
 }

@@ -1,8 +1,9 @@
-//! Starting and supervising a job: the private rendezvous directory, spawning ranks pinned to
+//! Starting and supervising a job: the rendezvous socket, spawning ranks pinned to
 //! their devices, admitting them, exchanging their buffer exports, and watching them until the
-//! end. Nothing outlives the job: the socket and its directory are removed as soon as every
-//! rank has joined (and on every exit path), ranks die with the coordinator (PDEATHSIG), and
-//! a failed job's ranks are stopped with SIGTERM, then SIGKILL.
+//! end. Nothing outlives the job, however the coordinator dies: the rendezvous socket has an
+//! abstract name (no file; it vanishes with the listening socket, and stops accepting once
+//! every rank has joined), shared memory is memfds, ranks die with the coordinator
+//! (PDEATHSIG), and a failed job's ranks are stopped with SIGTERM, then SIGKILL.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
@@ -139,37 +140,17 @@ enum Event {
     Exited(usize, ExitStatus),
 }
 
-/// Removes the rendezvous directory when dropped (every exit path).
-struct RendezvousDir(Option<PathBuf>);
-
-impl RendezvousDir {
-    fn create() -> anyhow::Result<RendezvousDir> {
-        let base = std::env::var_os("XDG_RUNTIME_DIR")
-            .map(PathBuf::from)
-            .filter(|p| p.is_dir())
-            .unwrap_or_else(std::env::temp_dir);
-        // mkdtemp creates the directory with mode 0700: only our uid can reach the socket.
-        let dir = nix::unistd::mkdtemp(&base.join("tprun-XXXXXX")).map_err(|e| {
-            anyhow::anyhow!("creating a private directory in {}: {e}", base.display())
-        })?;
-        Ok(RendezvousDir(Some(dir)))
-    }
-
-    fn path(&self) -> &Path {
-        self.0.as_deref().expect("directory exists until removed")
-    }
-
-    fn remove(&mut self) {
-        if let Some(d) = self.0.take() {
-            let _ = std::fs::remove_dir_all(d);
-        }
-    }
-}
-
-impl Drop for RendezvousDir {
-    fn drop(&mut self) {
-        self.remove();
-    }
+/// A fresh abstract socket name for a job's rendezvous, `@tprun-<pid>-<random>`: our pid tells
+/// whose it is (`ss -xl`), the random part keeps another process from guessing it before we
+/// bind it. An abstract name has no file and no permissions; the handshake checks each
+/// client's uid and the job token.
+fn rendezvous_name() -> anyhow::Result<PathBuf> {
+    let salt = random_token().map_err(|e| anyhow::anyhow!("reading /dev/urandom: {e}"))?;
+    Ok(PathBuf::from(format!(
+        "@tprun-{}-{}",
+        std::process::id(),
+        hex(&salt[..8])
+    )))
 }
 
 fn random_token() -> anyhow::Result<[u8; 16]> {
@@ -219,8 +200,7 @@ pub fn run(launch: Launch, observer: &mut dyn Observer) -> Result<(), JobError> 
     install_signal_handlers();
     let world = launch.world;
     let token = random_token().map_err(|e| anyhow::anyhow!("reading /dev/urandom: {e}"))?;
-    let mut dir = RendezvousDir::create()?;
-    let sock_path = dir.path().join("rendezvous.sock");
+    let sock_path = rendezvous_name()?;
     let listener =
         Listener::bind(&sock_path).map_err(|e| anyhow::anyhow!("rendezvous socket: {e}"))?;
     let control = Arc::new(
@@ -242,11 +222,19 @@ pub fn run(launch: Launch, observer: &mut dyn Observer) -> Result<(), JobError> 
 
     let (tx, rx) = mpsc::channel::<Event>();
     let accepting = Arc::new(AtomicBool::new(true));
-    let acceptor = spawn_acceptor(listener, token, world, tx.clone(), accepting.clone());
+    let ours = OurRanks::default();
+    let acceptor = spawn_acceptor(
+        listener,
+        token,
+        world,
+        tx.clone(),
+        accepting.clone(),
+        ours.clone(),
+    );
 
     let mut ranks: Vec<RankState> = Vec::with_capacity(world);
     for (r, &device) in launch.devices.iter().enumerate() {
-        match spawn_rank(r, device, &sock_path, &token, tx.clone()) {
+        match spawn_rank(r, device, &sock_path, &token, tx.clone()).inspect(|&pid| ours.add(pid)) {
             Ok(pid) => ranks.push(RankState {
                 pid,
                 child_alive: true,
@@ -273,7 +261,6 @@ pub fn run(launch: Launch, observer: &mut dyn Observer) -> Result<(), JobError> 
         launch: &launch,
         control,
         ranks,
-        dir: &mut dir,
         accepting,
         plans,
         joined: 0,
@@ -287,7 +274,6 @@ pub fn run(launch: Launch, observer: &mut dyn Observer) -> Result<(), JobError> 
     let result = sup.supervise(&rx, observer);
     drop(sup);
     let _ = acceptor.join();
-    dir.remove();
     result
 }
 
@@ -295,7 +281,6 @@ struct Supervisor<'a> {
     launch: &'a Launch,
     control: Arc<ControlBlock>,
     ranks: Vec<RankState>,
-    dir: &'a mut RendezvousDir,
     accepting: Arc<AtomicBool>,
     /// Each rank's encoded `Plan`, sent in its `Welcome`.
     plans: Vec<Vec<u8>>,
@@ -379,6 +364,7 @@ impl Supervisor<'_> {
                     self.ranks[r].device = device;
                     self.ranks[r].device_uuid = device_uuid;
                     self.ranks[r].exported = Some((items, fds));
+                    self.last_progress = Instant::now();
                     self.maybe_send_peers();
                 }
                 Msg::Report { payload } => match job::decode::<Report>(&payload) {
@@ -478,10 +464,9 @@ impl Supervisor<'_> {
         self.joined += 1;
         self.last_progress = Instant::now();
         if self.joined == self.launch.world {
-            // Everyone is in: nothing else may join, and nothing stays on disk from here on,
-            // even if this process is SIGKILLed later.
+            // Everyone is in: nothing else may join (the acceptor stops and drops the
+            // listener, which frees the name).
             self.accepting.store(false, Ordering::SeqCst);
-            self.dir.remove();
         }
     }
 
@@ -569,6 +554,25 @@ impl Supervisor<'_> {
         if beats != self.last_beats {
             self.last_beats = beats;
             self.last_progress = Instant::now();
+        } else if self.last_progress.elapsed() > timeout + Duration::from_secs(1)
+            && !self.peers_sent
+        {
+            // Ranks that have exported wait for us (they cannot tell who is missing, and
+            // their own deadline is later: rank/src/comm.rs, PEERS_SLACK); name the others.
+            let missing: Vec<usize> = (0..self.launch.world)
+                .filter(|&r| self.ranks[r].exported.is_none())
+                .collect();
+            let what: Vec<String> = missing
+                .iter()
+                .map(|&r| format!("{} in {}", self.describe(r), self.control.phase_name(r)))
+                .collect();
+            let m = format!(
+                "no progress for {:.0?} waiting for rank(s) {missing:?} to set up their buffers: {}",
+                timeout,
+                what.join(", ")
+            );
+            let first = missing.first().copied();
+            self.fail(JobError::Timeout(m), AbortReason::Timeout, first);
         } else if self.last_progress.elapsed() > timeout + Duration::from_secs(1) {
             let live: Vec<String> = (0..self.launch.world)
                 .filter(|&r| !self.ranks[r].done && self.ranks[r].child_alive)
@@ -723,12 +727,32 @@ fn forward_output(rank: usize, stream: impl std::io::Read + Send + 'static) {
     });
 }
 
+/// The pids of the rank processes this coordinator spawned: a connection from one of them
+/// that fails its hello is this job's own rank cut off (typically stopped by an early abort,
+/// whose cause is reported already), not a stranger to warn about.
+#[derive(Clone, Default)]
+struct OurRanks(Arc<std::sync::Mutex<Vec<u32>>>);
+
+impl OurRanks {
+    fn add(&self, pid: u32) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(pid);
+    }
+
+    fn contains(&self, pid: u32) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&pid)
+    }
+}
+
 fn spawn_acceptor(
     listener: Listener,
     token: [u8; 16],
     world: usize,
     tx: Sender<Event>,
     accepting: Arc<AtomicBool>,
+    ours: OurRanks,
 ) -> thread::JoinHandle<()> {
     thread::spawn(move || {
         let my_uid = nix::unistd::getuid().as_raw();
@@ -741,24 +765,45 @@ fn spawn_acceptor(
                     continue;
                 }
             };
-            let tx = tx.clone();
-            thread::spawn(move || handshake(conn, token, world, my_uid, tx));
+            let (tx, ours) = (tx.clone(), ours.clone());
+            thread::spawn(move || handshake(conn, token, world, my_uid, tx, &ours));
         }
     })
 }
 
 /// Admits one client, or refuses it with a log line; a refused client never disturbs the job.
-fn handshake(conn: Conn, token: [u8; 16], world: usize, my_uid: u32, tx: Sender<Event>) {
-    let cred = conn.peer_cred().ok();
-    let who = cred.map_or("unknown pid".to_string(), |c| format!("pid {}", c.pid));
+/// One of this job's own rank processes is not logged as a stranger: when its hello fails, it
+/// was cut off (an early abort stops ranks mid-hello), and the supervisor reports its end.
+fn handshake(
+    conn: Conn,
+    token: [u8; 16],
+    world: usize,
+    my_uid: u32,
+    tx: Sender<Event>,
+    ours: &OurRanks,
+) {
+    let cred = conn.peer_cred();
+    let who = cred
+        .as_ref()
+        .map_or("unknown pid".to_string(), |c| format!("pid {}", c.pid));
     let refuse = |reason: String| {
-        eprintln!("tprun: refused a connection from {who}: {reason}");
+        // Looked up now, not at accept: a rank can connect before its spawn has returned its
+        // pid, but it is cut off only once the job stops, after every spawn has returned.
+        if cred
+            .as_ref()
+            .is_ok_and(|c| c.pid > 0 && ours.contains(c.pid as u32))
+        {
+            tracing::debug!("this job's rank process {who} did not join: {reason}");
+        } else {
+            eprintln!("tprun: refused a connection from {who}: {reason}");
+        }
         let _ = conn.send(&Msg::Refused { reason }, &[]);
     };
-    if let Some(c) = cred {
-        if c.uid != my_uid {
-            return refuse(format!("uid {} is not ours ({my_uid})", c.uid));
-        }
+    // The abstract socket has no permissions of its own: the uid check is the gate.
+    match &cred {
+        Ok(c) if c.uid != my_uid => return refuse(format!("uid {} is not ours ({my_uid})", c.uid)),
+        Ok(_) => {}
+        Err(e) => return refuse(format!("its credentials are unknown: {e}")),
     }
     let (msg, _fds) = match conn.recv(Some(HELLO_TIMEOUT)) {
         Ok(m) => m,

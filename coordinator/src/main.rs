@@ -13,7 +13,7 @@ mod tokenizer;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 use cli::{BackendArg, BenchCommand, Cli, Command};
 use launch::Launch;
 use tprun_ipc::control::MAX_RANKS;
@@ -37,18 +37,21 @@ pub struct Settings {
 }
 
 impl Settings {
-    fn from_cli(cli: &Cli) -> Result<Settings, String> {
+    /// The settings of a job command. `default_world`: ranks when neither --ranks nor
+    /// --devices is given. The flags' own bounds were checked as they were parsed (cli.rs);
+    /// this checks how they combine.
+    fn from_cli(cli: &Cli, default_world: usize) -> Result<Settings, String> {
         let world = match (cli.ranks, &cli.devices) {
             (Some(n), _) => n,
             (None, Some(d)) => d.len(),
-            (None, None) => 1,
+            (None, None) => default_world,
         };
         if world == 0 || world > MAX_RANKS {
             return Err(format!(
-                "--ranks must be between 1 and {MAX_RANKS}, got {world}"
+                "--devices lists {world} device(s); a job has 1 to {MAX_RANKS} ranks"
             ));
         }
-        let devices = match &cli.devices {
+        let mut devices = match &cli.devices {
             Some(d) if d.len() != world => {
                 return Err(format!(
                     "--devices lists {} device(s) for {world} rank(s); give one per rank",
@@ -58,16 +61,24 @@ impl Settings {
             Some(d) => d.clone(),
             None => (0..world).collect(),
         };
-        if !(cli.timeout.is_finite() && cli.timeout > 0.0) {
-            return Err(format!(
-                "--timeout must be a positive number of seconds, got {}",
-                cli.timeout
-            ));
-        }
+        // A default world of several ranks (selftest's) goes round the visible GPUs: two
+        // ranks share the one GPU of a one-GPU machine rather than fall back to the CPU.
+        let wrap = |n: usize, devices: &mut Vec<usize>| {
+            if cli.ranks.is_none() && cli.devices.is_none() {
+                devices.iter_mut().for_each(|d| *d %= n);
+            }
+        };
         let backend = match cli.backend {
             BackendArg::Cpu => Backend::Cpu,
             BackendArg::Auto => match cuda_devices() {
-                Ok(n) if n > 0 && devices.iter().all(|&d| d < n) => Backend::Cuda,
+                Ok(n) if n > 0 => {
+                    wrap(n, &mut devices);
+                    if devices.iter().all(|&d| d < n) {
+                        Backend::Cuda
+                    } else {
+                        Backend::Cpu
+                    }
+                }
                 _ => Backend::Cpu,
             },
             BackendArg::Cuda => match cuda_devices() {
@@ -75,6 +86,7 @@ impl Settings {
                     return Err("backend 'cuda' is not usable: no CUDA device is visible".into())
                 }
                 Ok(n) => {
+                    wrap(n, &mut devices);
                     if let Some(&d) = devices.iter().find(|&&d| d >= n) {
                         return Err(format!(
                             "--devices names device {d}, but only {n} CUDA device(s) are visible"
@@ -205,8 +217,51 @@ fn main() -> ExitCode {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
     init_logging();
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let Err(e) = check_ignored_globals(&cli, &matches) {
+        return ExitCode::from(usage_error(&e) as u8);
+    }
     ExitCode::from(run(cli).clamp(0, 255) as u8)
+}
+
+/// Prints a usage error (one line and the hint) and returns its exit code.
+fn usage_error(e: &str) -> i32 {
+    eprintln!("error: {e}");
+    eprintln!("hint: see tprun --help");
+    2
+}
+
+/// The global flags configure a job of ranks; `synth`, `info` and `rank` start none (a rank
+/// takes its settings from the coordinator's plan), so a global flag given to them would be
+/// ignored in silence. Refused instead, naming the flag.
+fn check_ignored_globals(cli: &Cli, matches: &clap::ArgMatches) -> Result<(), String> {
+    let name = match &cli.command {
+        Command::Synth(_) => "synth",
+        Command::Info(_) => "info",
+        Command::Rank(_) => "rank",
+        Command::Bench { .. } | Command::Decode(_) | Command::Selftest(_) => return Ok(()),
+    };
+    // A global flag may stand before or after the subcommand; clap records it in both.
+    let sub = matches.subcommand_matches(name);
+    let given = |id: &str| {
+        [Some(matches), sub].into_iter().flatten().any(|m| {
+            m.try_get_raw(id).is_ok_and(|v| v.is_some())
+                && m.value_source(id) == Some(clap::parser::ValueSource::CommandLine)
+        })
+    };
+    let flags = ["ranks", "backend", "devices", "timeout", "ipc"];
+    match flags.into_iter().find(|f| given(f)) {
+        None => Ok(()),
+        Some(f) => Err(format!(
+            "--{f} has no effect on `tprun {name}`, which starts no job of ranks{}",
+            if name == "rank" {
+                " (a rank takes its settings from the coordinator's plan)"
+            } else {
+                ""
+            }
+        )),
+    }
 }
 
 fn run(cli: Cli) -> i32 {
@@ -216,13 +271,15 @@ fn run(cli: Cli) -> i32 {
         Command::Info(args) => return report(info::info(args)),
         _ => {}
     }
-    let settings = match Settings::from_cli(&cli) {
+    // selftest's allreduce check is a multi-process check: at least two ranks by default.
+    let default_world = if matches!(cli.command, Command::Selftest(_)) {
+        2
+    } else {
+        1
+    };
+    let settings = match Settings::from_cli(&cli, default_world) {
         Ok(s) => s,
-        Err(e) => {
-            eprintln!("error: {e}");
-            eprintln!("hint: see tprun --help");
-            return 2;
-        }
+        Err(e) => return usage_error(&e),
     };
     let result = match &cli.command {
         Command::Bench {
@@ -275,10 +332,16 @@ fn run_rank(args: &cli::RankArgs) -> i32 {
         Ok(()) => 0,
         Err(e) if e.is_abort() => 3,
         Err(e) => {
-            // The coordinator got the same message as `Failed` and reports it; a rank started
-            // by hand has nobody else to tell.
+            // The coordinator got the same message as `Failed` and reports it; a rank that
+            // never joined, or one started by hand, has nobody else to tell.
             tracing::debug!("rank {} failed: {e}", args.rank);
-            if std::env::var_os("TPRUN_JOB_TOKEN").is_none() {
+            if e.is_join() {
+                eprintln!("error: {e}");
+                eprintln!(
+                    "hint: --join takes the coordinator's rendezvous address (a path, or @name \
+                     for an abstract socket) and TPRUN_JOB_TOKEN or --token-file its job token"
+                );
+            } else if std::env::var_os("TPRUN_JOB_TOKEN").is_none() {
                 eprintln!("error: {e}");
             }
             if e.is_timeout() {

@@ -28,6 +28,17 @@ impl Tokenizer {
         Ok(Tokenizer { inner, path })
     }
 
+    /// A tokenizer from `tokenizer.json`'s contents, called `name` in messages (the embedded
+    /// default model's, which has no file).
+    pub fn from_json(name: &str, json: &[u8]) -> Result<Tokenizer> {
+        let inner = tokenizers::Tokenizer::from_bytes(json)
+            .map_err(|e| anyhow!("{name}: cannot load: {e}"))?;
+        Ok(Tokenizer {
+            inner,
+            path: PathBuf::from(name),
+        })
+    }
+
     fn err(&self, what: &str, e: tokenizers::Error) -> anyhow::Error {
         anyhow!("{}: {what}: {e}", self.path.display())
     }
@@ -90,7 +101,11 @@ mod tests {
     fn synth_dir(tag: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("tprun-tok-{tag}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("tokenizer.json"), tokenizer_json().to_string()).unwrap();
+        std::fs::write(
+            dir.join("tokenizer.json"),
+            tokenizer_json(32000).to_string(),
+        )
+        .unwrap();
         dir
     }
 
@@ -105,6 +120,23 @@ mod tests {
         // What the rank crate's tests use instead of a tokenizer.
         assert_eq!(ids, synth_ids(text));
         assert_eq!(t.decode(&ids).unwrap(), text);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Every id of the vocab decodes to text (`synth --preset small` had a 32000-id vocab and
+    /// a 258-id tokenizer: its text was empty), while encoding stays one id per byte.
+    #[test]
+    fn synth_tokenizer_covers_the_vocab() {
+        let dir = synth_dir("cover");
+        let t = Tokenizer::from_dir(&dir).unwrap();
+        let mut seen = std::collections::HashSet::new();
+        for id in 258..32000 {
+            let text = t.decode(&[id]).unwrap();
+            assert!(text.starts_with(' ') && text.len() > 1, "{id}: {text:?}");
+            assert!(seen.insert(text), "{id} repeats a word");
+        }
+        assert_eq!(t.decode(&[258, 259, 358]).unwrap(), " ba be baba");
+        assert_eq!(t.encode(" ba").unwrap(), synth_ids(" ba"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -188,21 +188,10 @@ fn strangers_are_refused_and_the_job_goes_on() {
     ];
     // Rank 3 joins 1.5 s late, which keeps the rendezvous socket open for us.
     let child = spawn(&env, &args, Some("delay:3:start-up"));
-    let t0 = Instant::now();
-    let sock = loop {
-        let found = std::fs::read_dir(&env.dir)
-            .unwrap()
-            .flatten()
-            .find_map(|e| {
-                let p = e.path().join("rendezvous.sock");
-                p.exists().then_some(p)
-            });
-        if let Some(p) = found {
-            break p;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(10), "no socket");
-        std::thread::sleep(Duration::from_millis(5));
-    };
+    // The rendezvous address (an abstract name, no file) is on the ranks' command lines.
+    let ranks = wait_for_ranks(child.id(), 4, Duration::from_secs(20));
+    let sock = join_address(ranks[0].1);
+    assert!(sock.to_string_lossy().starts_with('@'), "{sock:?}");
     // Garbage.
     let c = Conn::connect(&sock).unwrap();
     c.send_raw(b"GET / HTTP/1.1\r\n\r\n", &[]).unwrap();
@@ -278,5 +267,145 @@ fn usage_errors_are_one_line_and_exit_2() {
         assert!(err.starts_with("error: "), "{args:?}: {err}");
         assert!(!err.contains("panicked"), "{err}");
     }
+    env.assert_clean();
+}
+
+#[test]
+fn a_stall_in_setup_or_loading_times_out_with_exit_4_naming_the_rank() {
+    let env = Env::new("stall-setup");
+    let bench = [
+        "--ranks",
+        "3",
+        "--timeout",
+        "1",
+        "bench",
+        "allreduce",
+        "--sizes",
+        "4K",
+        "--iters",
+        "3",
+    ];
+    let decode = [
+        "--ranks",
+        "3",
+        "--timeout",
+        "1",
+        "decode",
+        "--max-new-tokens",
+        "4",
+    ];
+    for (args, fault, phase) in [
+        (&bench[..], "stall:2:setup", "setup"),
+        (&decode[..], "stall:2:setup", "setup"),
+        (&decode[..], "stall:2:loading", "loading"),
+    ] {
+        let child = spawn(&env, args, Some(fault));
+        let pid = child.id();
+        let (status, err, _) = finish(child, Instant::now());
+        assert_eq!(status.code(), Some(4), "{fault}: {err}");
+        assert!(err.contains("rank(s) [2]"), "{fault}: {err}");
+        assert!(
+            err.contains("rank 2 (pid") && err.contains(&format!("in {phase}")),
+            "{fault}: {err}"
+        );
+        assert!(err.contains("hint: "), "{fault}: {err}");
+        assert!(children(pid).is_empty(), "{fault}");
+    }
+    env.assert_clean();
+}
+
+#[test]
+fn a_rank_started_by_hand_says_why_it_could_not_join() {
+    let env = Env::new("by-hand");
+    let rank = |join: &str, r: &str| {
+        let mut c = env.cmd();
+        c.args(["rank", "--join", join, "--rank", r])
+            .env("TPRUN_JOB_TOKEN", "00112233445566778899aabbccddeeff");
+        run(c)
+    };
+    let no_file = env.dir.join("nobody.sock");
+    for (join, why) in [
+        ("@tprun-nobody-listens-here", "Connection refused"),
+        (no_file.to_str().unwrap(), "No such file"),
+    ] {
+        let o = rank(join, "0");
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{join}: {err}");
+        assert!(err.starts_with("error: rank 0 could not join"), "{err}");
+        assert_eq!(err.matches("error: ").count(), 1, "{err}");
+        assert!(err.contains(join) && err.contains(why), "{err}");
+    }
+    // A live job refuses a stranger's token. Its rank 1 stalls before joining, so the
+    // rendezvous stays open until we kill that rank.
+    let child = spawn(
+        &env,
+        &["--ranks", "2", "--timeout", "30", "bench", "allreduce"],
+        Some("stall:1:start-up"),
+    );
+    let ranks = wait_for_ranks(child.id(), 2, Duration::from_secs(20));
+    let sock = join_address(ranks[0].1);
+    let o = rank(sock.to_str().unwrap(), "1");
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.starts_with("error: rank 1 could not join"), "{err}");
+    assert!(
+        err.contains("refused") && err.contains("wrong job token"),
+        "{err}"
+    );
+    sigkill(ranks[1].1);
+    let (status, err, _) = finish(child, Instant::now());
+    assert_eq!(status.code(), Some(3), "{err}");
+    assert!(err.contains("refused a connection"), "{err}");
+    env.assert_clean();
+}
+
+#[test]
+fn a_coordinator_killed_before_every_rank_joined_leaves_nothing() {
+    use tprun_ipc::wire::Conn;
+    let env = Env::new("kill-coord-early");
+    let mut child = spawn(&env, LOOP, Some("stall:3:start-up"));
+    let ranks = wait_for_ranks(child.id(), 4, Duration::from_secs(20));
+    let sock = join_address(ranks[0].1);
+    sigkill(child.id());
+    let _ = child.wait();
+    let pids: Vec<u32> = ranks.iter().map(|r| r.1).collect();
+    assert!(wait_gone(&pids, Duration::from_secs(2)), "orphan ranks");
+    // The abstract rendezvous name went with the coordinator; no file ever existed.
+    assert!(Conn::connect(&sock).is_err(), "{sock:?} still accepts");
+    env.assert_clean();
+}
+
+#[test]
+fn decode_whose_reader_goes_away_dies_by_sigpipe_and_leaves_nothing() {
+    use std::io::Read;
+    let env = Env::new("sigpipe");
+    // The embedded default model, for long enough that the reader leaves mid-stream.
+    let mut child = spawn(
+        &env,
+        &[
+            "--ranks",
+            "4",
+            "decode",
+            "--ignore-eos",
+            "--max-new-tokens",
+            "60000",
+            "--max-seq",
+            "65536",
+        ],
+        None,
+    );
+    let ranks = wait_for_ranks(child.id(), 4, Duration::from_secs(20));
+    let mut out = child.stdout.take().unwrap();
+    let mut head = [0u8; 20];
+    out.read_exact(&mut head).unwrap();
+    drop(out);
+    let (status, err, _) = finish(child, Instant::now());
+    assert_eq!(
+        status.signal(),
+        Some(Signal::SIGPIPE as i32),
+        "{status:?}: {err}"
+    );
+    let pids: Vec<u32> = ranks.iter().map(|r| r.1).collect();
+    assert!(wait_gone(&pids, Duration::from_secs(2)), "orphan ranks");
     env.assert_clean();
 }

@@ -4,12 +4,19 @@
 //! `sendmsg` = one `recvmsg`) and delivers in order, so a frame needs no length prefix, and
 //! file descriptors ride along with the frame they belong to (`SCM_RIGHTS`).
 //!
+//! An address is a filesystem path, or `@name` for a Linux abstract socket: a name with no
+//! file behind it, which vanishes with the listening socket however its owner dies (the
+//! coordinator's own rendezvous uses one, so that a SIGKILL cannot leave a socket file behind).
+//! Abstract names have no permissions: the listener checks each client's uid (`SO_PEERCRED`)
+//! and job token instead.
+//!
 //! A frame is `MAGIC (4 bytes) | PROTOCOL_VERSION (u32 LE) | postcard(Msg)`. The magic and
 //! version come first and in a fixed encoding so that a peer of another version, or a stray
 //! client writing garbage, is told apart from a bug before any payload is decoded.
 
 use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -78,7 +85,7 @@ pub struct Conn {
     fd: OwnedFd,
 }
 
-/// A listening seqpacket socket bound to a path.
+/// A listening seqpacket socket bound to a path or an abstract name.
 #[derive(Debug)]
 pub struct Listener {
     fd: OwnedFd,
@@ -101,11 +108,21 @@ fn new_socket() -> Result<OwnedFd> {
     .map_err(|e| IpcError::os("creating a seqpacket socket", e))
 }
 
+/// The socket address `addr` names: `@name` is the abstract name `name`, anything else a path.
+fn unix_addr(addr: &Path) -> Result<UnixAddr> {
+    match addr.as_os_str().as_bytes().strip_prefix(b"@") {
+        Some(name) => UnixAddr::new_abstract(name),
+        None => UnixAddr::new(addr),
+    }
+    .map_err(|e| IpcError::os(format!("socket address {}", addr.display()), e))
+}
+
 impl Listener {
+    /// Listens at `path`: a filesystem path (the caller removes the file), or `@name` for an
+    /// abstract name (nothing to remove).
     pub fn bind(path: &Path) -> Result<Listener> {
         let fd = new_socket()?;
-        let addr = UnixAddr::new(path)
-            .map_err(|e| IpcError::os(format!("socket path {}", path.display()), e))?;
+        let addr = unix_addr(path)?;
         socket::bind(fd.as_raw_fd(), &addr)
             .map_err(|e| IpcError::os(format!("binding {}", path.display()), e))?;
         socket::listen(&fd, Backlog::new(128).expect("128 is a valid backlog"))
@@ -159,10 +176,10 @@ fn wait_readable(fd: BorrowedFd<'_>, timeout: Duration) -> Result<bool> {
 }
 
 impl Conn {
+    /// Connects to a listener at `path` (a filesystem path, or `@name`: see [`Listener::bind`]).
     pub fn connect(path: &Path) -> Result<Conn> {
         let fd = new_socket()?;
-        let addr = UnixAddr::new(path)
-            .map_err(|e| IpcError::os(format!("socket path {}", path.display()), e))?;
+        let addr = unix_addr(path)?;
         socket::connect(fd.as_raw_fd(), &addr)
             .map_err(|e| IpcError::os(format!("connecting to {}", path.display()), e))?;
         Ok(Conn { fd })
@@ -342,6 +359,20 @@ mod tests {
             Err(IpcError::Protocol(m)) => assert!(m.contains("version"), "{m}"),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn abstract_names_connect_and_vanish_with_the_listener() {
+        let name = format!("@tprun-wire-test-{}", std::process::id());
+        let l = Listener::bind(Path::new(&name)).unwrap();
+        let a = Conn::connect(Path::new(&name)).unwrap();
+        let b = l.accept(Duration::from_secs(1)).unwrap().expect("a client");
+        a.send(&Msg::Done, &[]).unwrap();
+        assert_eq!(b.recv(None).unwrap().0, Msg::Done);
+        assert_eq!(b.peer_cred().unwrap().pid, std::process::id() as i32);
+        drop(l);
+        let e = Conn::connect(Path::new(&name)).unwrap_err().to_string();
+        assert!(e.contains(&name), "{e}");
     }
 
     #[test]

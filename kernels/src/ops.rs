@@ -415,6 +415,15 @@ impl<B> Matmul<'_, B> {
     }
 }
 
+/// The token [`Sample`] gives when the logits were not finite: no token id can be this
+/// (vocab ids are below 2^24), and the embedding of a step fed with it is zeros (an id outside
+/// every rank's shard), so a step queued behind it runs harmlessly until the host reads it.
+pub const NO_TOKEN: u32 = u32::MAX;
+
+/// The NaN [`ShardTopK`] writes for a non-finite row: the quiet NaN of Rust's `f32::NAN`,
+/// the same bits on every backend.
+pub const NAN_BITS: u32 = 0x7fc0_0000;
+
 /// Most candidates one shard contributes to sampling ([`ShardTopK`]), and so the most tokens
 /// sampling ever considers: the 64 most likely of the whole vocab are always among the union
 /// of every shard's 64 most likely.
@@ -425,6 +434,11 @@ pub const TOPK_MAX: usize = 64;
 /// NaN logits never chosen, slots beyond `n` filled with (−∞, 0). Ids are below 2^24, so f32
 /// holds them exactly. Every rank writes its pairs into its own part of a zero-filled buffer
 /// and an allreduce of that buffer (adding only zeros, exact) gathers all shards' candidates.
+///
+/// A shard with any non-finite logit (NaN, ±∞: NaN weights, or activations that overflowed)
+/// has pair 0's logit replaced by NaN ([`NAN_BITS`]), so that [`Sample`] sees the bad row
+/// among the candidates and gives [`NO_TOKEN`]: the scan that picks the candidates checks the
+/// whole row for free, and no full-vocab read reaches the host.
 pub struct ShardTopK<'a, B> {
     pub logits: View<'a, B>,
     pub vocab_start: usize,
@@ -468,6 +482,8 @@ pub struct SampleParams {
 /// hash of (`seed`, position + 1)), then sets `state = (t, position + 1)` and
 /// `tokens[position + 1] = t` (`tokens`: [cap] u32, the sequence's token history; positions
 /// past its end are not stored). Run inside a captured step, so a replay feeds itself.
+/// Any NaN candidate logit (a non-finite row, as [`ShardTopK`] marks it) gives
+/// `t = `[`NO_TOKEN`], which the host reports as an error.
 pub struct Sample<'a, B> {
     pub cands: View<'a, B>,
     pub params: SampleParams,

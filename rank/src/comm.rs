@@ -14,8 +14,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use tprun_ipc::control::describe_abort;
 use tprun_ipc::wire::ExportItem;
-use tprun_ipc::{Conn, ControlBlock, Msg};
+use tprun_ipc::{Conn, ControlBlock, IpcError, Msg};
 use tprun_kernels::comm::{AddNorm, AllreduceArgs, CommAlgo, CommLayout};
 use tprun_kernels::{Device, Export, ExportMeta, Op, View};
 
@@ -46,6 +47,56 @@ pub fn auto_threshold(backend: Backend, world: usize) -> usize {
     match backend {
         Backend::Cpu => 64 << 10,
         Backend::Cuda | Backend::Hip => 512 << 10,
+    }
+}
+
+/// How often [`wait_for_peers`] looks at the abort word and the heartbeats.
+const PEERS_POLL: Duration = Duration::from_millis(20);
+/// How much longer than `--timeout` [`wait_for_peers`] waits with no progress anywhere: two
+/// seconds past the coordinator's own stall check (`--timeout` + 1 s, coordinator/src/launch.rs),
+/// so that the coordinator, which knows who has not exported, names the stalled rank first.
+const PEERS_SLACK: Duration = Duration::from_secs(3);
+
+/// Waits for the coordinator's `Peers`, sent once every rank has exported its buffer. A peer
+/// may take long to get there (loading a large shard), so the deadline counts from the last
+/// heartbeat of any rank, not from the start; only the coordinator knows which rank has not
+/// exported, so it times out first and names it, and ours is a fallback. Ends early when the
+/// job is aborted.
+fn wait_for_peers(
+    conn: &Conn,
+    control: &ControlBlock,
+    timeout: Duration,
+) -> Result<(Msg, Vec<std::os::fd::OwnedFd>), RankError> {
+    let beats = || {
+        (0..control.world())
+            .map(|r| control.heartbeat(r))
+            .collect::<Vec<u64>>()
+    };
+    let mut last = beats();
+    let mut since = std::time::Instant::now();
+    loop {
+        match conn.recv(Some(PEERS_POLL)) {
+            Ok(m) => return Ok(m),
+            Err(IpcError::Timeout(_)) => {}
+            Err(e) => {
+                return Err(RankError::Other(format!(
+                    "waiting for the peers' exports: {e}"
+                )))
+            }
+        }
+        if let Some((reason, who)) = control.aborted() {
+            return Err(IpcError::Aborted(describe_abort(reason, who)).into());
+        }
+        let now = beats();
+        if now != last {
+            last = now;
+            since = std::time::Instant::now();
+        } else if since.elapsed() > timeout + PEERS_SLACK {
+            return Err(RankError::Stalled(format!(
+                "waiting for the peers' exports: no rank made progress for {:.0?}",
+                since.elapsed()
+            )));
+        }
     }
 }
 
@@ -117,9 +168,7 @@ impl<D: Device> Communicator<D> {
         )
         .map_err(|e| RankError::Other(format!("sending our buffer export: {e}")))?;
         drop(fds);
-        let (msg, fds) = conn
-            .recv(Some(timeout))
-            .map_err(|e| RankError::Other(format!("waiting for the peers' exports: {e}")))?;
+        let (msg, fds) = wait_for_peers(conn, &control, timeout)?;
         let Msg::Peers { items } = msg else {
             return Err(RankError::Other(format!("expected Peers, got {msg:?}")));
         };

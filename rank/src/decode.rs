@@ -10,8 +10,11 @@ use tprun_ipc::{Conn, Msg};
 use tprun_kernels::Device;
 
 use crate::comm::Communicator;
-use crate::job::{self, Backend, DecodeSpec, Report};
-use crate::model::{generate, GenerateOptions, LoadOptions, Model, ModelConfig, SamplerConfig};
+use crate::job::{self, Backend, DecodeSpec, ModelSource, Report};
+use crate::model::safetensors::Checkpoint;
+use crate::model::{
+    generate, synth, GenerateOptions, LoadOptions, Model, ModelConfig, SamplerConfig,
+};
 use crate::run::RankCtx;
 use crate::{Phase, RankError};
 
@@ -33,15 +36,21 @@ pub fn run<D: Device>(
         max_seq: spec.max_seq,
         ..LoadOptions::default()
     };
-    let cfg = ModelConfig::from_dir(Path::new(&spec.model))?;
     // Loading a large shard is disk-bound and may outlast --timeout; it beats on its own
     // thread meanwhile so that the coordinator does not take it for a stall. Rank 0 reports
     // its bytes (at most every 1/8 s: the coordinator only draws a bar).
     let mut last = Instant::now();
-    let mut model = ctx.beating(|| {
-        Model::load_with_progress(
+    let mut model = ctx.beating(|| -> Result<Model<D>, RankError> {
+        let (cfg, ck) = match &spec.model {
+            ModelSource::Dir(dir) => (
+                ModelConfig::from_dir(Path::new(dir))?,
+                Checkpoint::open(Path::new(dir))?,
+            ),
+            ModelSource::Synthetic(opts) => synth::in_memory(opts)?,
+        };
+        Ok(Model::load_checkpoint(
             dev.clone(),
-            Path::new(&spec.model),
+            &ck,
             cfg,
             ctx.rank,
             ctx.world,
@@ -53,7 +62,7 @@ pub fn run<D: Device>(
                     let _ = report(conn, &Report::LoadProgress { done, total });
                 }
             },
-        )
+        )?)
     })?;
     if ctx.rank == 0 {
         report(
@@ -90,7 +99,9 @@ pub fn run<D: Device>(
         max_new_tokens: spec.max_new_tokens,
         stop: spec.stop.clone(),
     };
-    let mut steps = Vec::with_capacity(spec.max_new_tokens);
+    // One record per token the KV cache leaves room for: never more than `max_new_tokens`,
+    // which need not be bounded by anything else.
+    let mut steps = Vec::with_capacity(gen.budget(model.max_seq(), spec.prompt.len()));
     let mut last: Option<Instant> = None;
     let control = ctx.control.clone();
     let rank = ctx.rank;
@@ -196,6 +207,10 @@ fn dump_logits<D: Device>(
     let budget = gen.budget(model.max_seq(), prompt.len());
     let mut pos = prompt.len();
     while st.generated < budget {
+        // The full row is on the host here anyway: check it all.
+        if logits.iter().any(|l| !l.is_finite()) {
+            return Err(crate::model::forward::not_finite(st.generated + 1, pos));
+        }
         if let Some(o) = &mut out {
             let bytes: Vec<u8> = logits.iter().flat_map(|l| l.to_le_bytes()).collect();
             o.write_all(&bytes)

@@ -15,6 +15,13 @@ pub enum RankError {
     Ipc(#[from] IpcError),
     #[error("{0}")]
     Model(String),
+    /// The rank could not join the job (connect, handshake, refused): the coordinator never
+    /// admitted it, so the rank itself must say why.
+    #[error("{0}")]
+    Join(String),
+    /// A wait in which no rank made progress for longer than its deadline.
+    #[error("{0}")]
+    Stalled(String),
     #[error("{0}")]
     Other(String),
 }
@@ -49,15 +56,21 @@ impl RankError {
         match self {
             RankError::Kernel(KernelError::Timeout { .. })
             | RankError::Ipc(IpcError::BarrierTimeout { .. })
-            | RankError::Ipc(IpcError::Timeout(_)) => FailKind::Timeout,
+            | RankError::Ipc(IpcError::Timeout(_))
+            | RankError::Stalled(_) => FailKind::Timeout,
             RankError::Kernel(KernelError::Aborted { .. })
             | RankError::Ipc(IpcError::Aborted(_)) => FailKind::Aborted,
             // Invalid op arguments are the caller's bug, not the device's.
             RankError::Kernel(KernelError::Invalid(_)) => FailKind::Internal,
             RankError::Kernel(_) => FailKind::Device,
             RankError::Model(_) => FailKind::Input,
-            RankError::Ipc(_) | RankError::Other(_) => FailKind::Internal,
+            RankError::Ipc(_) | RankError::Join(_) | RankError::Other(_) => FailKind::Internal,
         }
+    }
+
+    /// True when the rank never joined the job: nobody else has heard of the failure.
+    pub fn is_join(&self) -> bool {
+        matches!(self, RankError::Join(_))
     }
 
     /// True for errors caused by a wait that ran past its deadline (exit code 4).
@@ -107,6 +120,10 @@ mod tests {
             FailKind::Input,
             "the word 'timed out' changes nothing"
         );
+        let stalled = RankError::Stalled("waiting for the peers' exports: ...".into());
+        assert!(stalled.is_timeout());
+        let join = RankError::Join("rank 0 could not join: ...".into());
+        assert!(join.is_join() && !join.is_timeout() && !join.is_abort());
         let f = input.failure("loading".into());
         assert_eq!((f.kind, f.phase.as_str()), (FailKind::Input, "loading"));
     }

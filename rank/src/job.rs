@@ -6,6 +6,8 @@ use serde::{Deserialize, Serialize};
 use tprun_kernels::cuda::SelftestResult;
 use tprun_kernels::{CommSettings, DType, IpcMode};
 
+use crate::model::SynthOptions;
+
 /// Which device layer the ranks use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Backend {
@@ -105,8 +107,7 @@ pub struct SelftestSpec {
 /// settings, identical on every rank so that every rank picks the same tokens.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DecodeSpec {
-    /// Absolute path of the Hugging Face folder (ranks read their slices from it).
-    pub model: String,
+    pub model: ModelSource,
     /// Matrix dtype on the device; `None` = as stored in the checkpoint.
     pub dtype: Option<DType>,
     /// KV-cache dtype.
@@ -133,6 +134,16 @@ pub struct DecodeSpec {
     /// Time every op of the decode steps on the device (`--profile`; steps launched one by
     /// one) and report the totals per op.
     pub profile: bool,
+}
+
+/// Where a decode job's weights come from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum ModelSource {
+    /// A Hugging Face folder, by absolute path; ranks read their slices from it.
+    Dir(String),
+    /// `synth`'s model for these options, made by every rank in memory
+    /// (`model::synth::in_memory`): the embedded default, which never touches the filesystem.
+    Synthetic(SynthOptions),
 }
 
 /// `bench allreduce`: the rows to run, in order, identical on every rank.

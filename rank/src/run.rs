@@ -69,33 +69,11 @@ impl RankCtx {
 
 /// Joins the job at `opts.socket` and runs this rank's share of it to the end.
 ///
-/// On failure the error is also reported to the coordinator (best effort) before returning.
+/// Once admitted, a failure is also reported to the coordinator (best effort) before
+/// returning; a failure to join ([`RankError::is_join`]) only the caller hears of.
 pub fn run(opts: RankOptions) -> Result<(), RankError> {
     crate::fault::at(opts.rank, Phase::Starting);
-    let conn = Conn::connect(&opts.socket)?;
-    conn.send(
-        &Msg::Hello {
-            token: opts.token,
-            rank: opts.rank as u32,
-            pid: std::process::id(),
-        },
-        &[],
-    )?;
-    let (msg, mut fds) = conn.recv(Some(JOIN_TIMEOUT))?;
-    let (world, plan) = match msg {
-        Msg::Welcome { world, job } => (world as usize, job::decode::<Plan>(&job)?),
-        Msg::Refused { reason } => {
-            return Err(RankError::Other(format!(
-                "the coordinator refused us: {reason}"
-            )))
-        }
-        other => return Err(RankError::Other(format!("expected Welcome, got {other:?}"))),
-    };
-    let cb_fd = fds
-        .pop()
-        .ok_or_else(|| RankError::Other("Welcome came without the control block".into()))?;
-    let control =
-        Arc::new(ControlBlock::open(cb_fd, world, &opts.token)?.with_phase_names(&Phase::NAMES));
+    let (conn, world, plan, control) = join(&opts)?;
     control.set_pid(opts.rank, std::process::id());
     let spec = plan.job;
     let ctx = RankCtx {
@@ -126,6 +104,53 @@ pub fn run(opts: RankOptions) -> Result<(), RankError> {
         }
     }
     result
+}
+
+/// Connects to the coordinator at `opts.socket`, says Hello and takes the Welcome: the job's
+/// world, this rank's plan and the control block. Every failure here is a
+/// [`RankError::Join`] naming the address: the coordinator has not admitted us, so it reports
+/// nothing of ours.
+fn join(opts: &RankOptions) -> Result<(Conn, usize, Plan, Arc<ControlBlock>), RankError> {
+    let at = opts.socket.display();
+    let rank = opts.rank;
+    let fail = |what: String| RankError::Join(format!("rank {rank} could not join: {what}"));
+    // The error names the address ("connecting to ...: Connection refused").
+    let conn = Conn::connect(&opts.socket).map_err(|e| fail(e.to_string()))?;
+    conn.send(
+        &Msg::Hello {
+            token: opts.token,
+            rank: rank as u32,
+            pid: std::process::id(),
+        },
+        &[],
+    )
+    .map_err(|e| fail(format!("sending Hello to {at}: {e}")))?;
+    let (msg, mut fds) = conn.recv(Some(JOIN_TIMEOUT)).map_err(|e| {
+        fail(format!(
+            "waiting for the answer of the coordinator at {at}: {e}"
+        ))
+    })?;
+    let (world, plan) = match msg {
+        Msg::Welcome { world, job } => (
+            world as usize,
+            job::decode::<Plan>(&job).map_err(|e| fail(format!("the plan from {at}: {e}")))?,
+        ),
+        Msg::Refused { reason } => {
+            return Err(fail(format!(
+                "the coordinator at {at} refused it: {reason}"
+            )))
+        }
+        other => return Err(fail(format!("expected Welcome from {at}, got {other:?}"))),
+    };
+    let cb_fd = fds.pop().ok_or_else(|| {
+        fail(format!(
+            "the Welcome from {at} came without the control block"
+        ))
+    })?;
+    let control = ControlBlock::open(cb_fd, world, &opts.token)
+        .map_err(|e| fail(format!("the control block from {at}: {e}")))?
+        .with_phase_names(&Phase::NAMES);
+    Ok((conn, world, plan, Arc::new(control)))
 }
 
 /// Opens this rank's device with the job's settings and runs the task on it.

@@ -52,7 +52,7 @@ m=/tmp/l8b
 
 sec_selftest() {
     room 60 selftest || return 0
-    echo "== selftest (1 rank; kernels + allreduce)"
+    echo "== selftest (2 ranks by default, sharing a lone GPU; kernels + allreduce)"
     timeout "${SELFTEST_S:-600}" $bin selftest > "$out/selftest.txt" 2>&1 || fail selftest
     grep -E "FAIL|failed|passed|checks" "$out/selftest.txt" | tail -25
 }

@@ -138,6 +138,14 @@ pub fn wait_for_ranks(ppid: u32, n: usize, within: Duration) -> Vec<(usize, u32)
     }
 }
 
+/// The rendezvous address a rank was started with (`--join ADDRESS` on its command line).
+pub fn join_address(rank_pid: u32) -> PathBuf {
+    let cmd = std::fs::read(format!("/proc/{rank_pid}/cmdline")).unwrap();
+    let args: Vec<&[u8]> = cmd.split(|&b| b == 0).collect();
+    let i = args.iter().position(|a| *a == b"--join").expect("--join");
+    PathBuf::from(String::from_utf8_lossy(args[i + 1]).into_owned())
+}
+
 pub fn wait_gone(pids: &[u32], within: Duration) -> bool {
     let t0 = Instant::now();
     while t0.elapsed() < within {

@@ -226,7 +226,7 @@ enum Cands {
     /// `world` shards of `k` pairs each as ShardTopK writes them (sorted, the last few of some
     /// shards padding), logits of a few units; some equal across shards.
     Shards { world: usize, k: usize },
-    /// The same pairs in random order, with NaN logits among them.
+    /// The same pairs in random order, with NaN logits among them (the token: NO_TOKEN).
     Shuffled { world: usize, k: usize },
     /// 64 equal logits: at temperature 1 the pick is candidate ⌊u · 64⌋ (in id order), so
     /// each position checks six bits of the uniform draw.
@@ -576,6 +576,8 @@ mod tests {
         assert_eq!(def("TP_TOPK_THREADS"), THREADS.to_string());
         assert_eq!(def("TP_TOPK_MAX"), TOPK_MAX.to_string());
         assert_eq!(def("TP_SAMPLE_MAX_CANDS"), MAX_CANDS.to_string());
+        assert_eq!(def("TP_NO_TOKEN"), format!("{:#x}u", ops::NO_TOKEN));
+        assert_eq!(def("TP_NAN_BITS"), format!("{:#x}u", ops::NAN_BITS));
     }
 
     /// Runs `case` on the CPU twin: its inputs (outputs zeroed), the op, the buffers after.

@@ -5,12 +5,14 @@
 //!
 //! Cache: `$TPRUN_KERNEL_CACHE`, else `$XDG_CACHE_HOME/tprun/kernels`, else
 //! `~/.cache/tprun/kernels`; one file `NAME-HASH-sm_XY-nvrtcA.B.cubin` per (source after
-//! include expansion, architecture, NVRTC version). Files are written to a temporary name and
-//! renamed, so ranks compiling the same source at once never read a half-written file.
-//! An unusable cache directory only costs a compile per process.
+//! include expansion, architecture, NVRTC version). A file is written unnamed (`O_TMPFILE`)
+//! and named only once complete ([`store`]), so that ranks compiling the same source at once
+//! never read a half-written file and a process killed mid-write leaves nothing (on a file
+//! system without `O_TMPFILE`, a temporary name and a rename: a kill between them leaves
+//! `*.tmp`). An unusable cache directory only costs a compile per process.
 
 use std::ffi::CString;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use cudarc::nvrtc::result as nv;
 
@@ -128,16 +130,54 @@ pub(crate) fn cubin(name: &str, src: &str, (major, minor): (i32, i32)) -> Result
     }
     let bin = compile(name, &full, &arch)?;
     if let Some(dir) = dir {
-        let tmp = dir.join(format!("{file}.{}.tmp", std::process::id()));
-        let stored = std::fs::create_dir_all(&dir)
-            .and_then(|()| std::fs::write(&tmp, &bin))
-            .and_then(|()| std::fs::rename(&tmp, dir.join(&file)));
-        if let Err(e) = stored {
-            let _ = std::fs::remove_file(&tmp);
+        if let Err(e) = store(&dir, &file, &bin) {
             tracing::debug!("not caching {file} in {}: {e}", dir.display());
         }
     }
     Ok(bin)
+}
+
+/// Puts `bytes` in the cache as `dir/file`, whole or not at all. They go to an unnamed file in
+/// `dir` (`O_TMPFILE`) that is linked under its name once complete; a name that exists already
+/// is kept (another rank compiled the same module first, to the same bytes).
+fn store(dir: &Path, file: &str, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::create_dir_all(dir)?;
+    let unnamed = std::fs::OpenOptions::new()
+        .write(true)
+        .mode(0o644)
+        .custom_flags(libc::O_TMPFILE)
+        .open(dir);
+    let mut f = match unnamed {
+        Ok(f) => f,
+        // A file system without O_TMPFILE: a temporary name, renamed.
+        Err(_) => {
+            let tmp = dir.join(format!("{file}.{}.tmp", std::process::id()));
+            let stored =
+                std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, dir.join(file)));
+            if stored.is_err() {
+                let _ = std::fs::remove_file(&tmp);
+            }
+            return stored;
+        }
+    };
+    f.write_all(bytes)?;
+    // Linked through its /proc name: linkat's AT_EMPTY_PATH, the direct way, needs
+    // CAP_DAC_READ_SEARCH.
+    let proc_name = format!("/proc/self/fd/{}", f.as_raw_fd());
+    let at = nix::fcntl::AT_FDCWD;
+    match nix::unistd::linkat(
+        at,
+        proc_name.as_str(),
+        at,
+        &dir.join(file),
+        nix::fcntl::AtFlags::AT_SYMLINK_FOLLOW,
+    ) {
+        Ok(()) | Err(nix::errno::Errno::EEXIST) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// Compiles `src` (includes already expanded) to a cubin for `arch`.
@@ -186,6 +226,23 @@ pub(crate) fn compile(name: &str, src: &str, arch: &str) -> Result<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cache_stores_whole_files_under_their_name_only() {
+        let dir = std::env::temp_dir().join(format!("tprun-kcache-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        store(&dir, "m.cubin", b"first").unwrap();
+        // A second store of the same name keeps the first file.
+        store(&dir, "m.cubin", b"second").unwrap();
+        let names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        let bytes = std::fs::read(dir.join("m.cubin")).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(names, ["m.cubin"]);
+        assert_eq!(bytes, b"first");
+    }
 
     #[test]
     fn expand_inlines_each_header_once() {

@@ -149,6 +149,14 @@ TP_DEV void topk_scan(const TopkParams& p, F f) {
     for (u32 i = done + threadIdx.x; i < p.n; i += t) f(i, x[i]);
 }
 
+// ops::NO_TOKEN: Sample's token when a candidate logit is NaN (a row that was not finite).
+#define TP_NO_TOKEN 0xffffffffu
+// ops::NAN_BITS: the NaN shard_topk writes as pair 0's logit of a row that is not finite.
+#define TP_NAN_BITS 0x7fc00000u
+
+// True for NaN and ±inf: the floats whose exponent bits are all ones.
+TP_DEV bool topk_not_finite(float l) { return (tp_f32_bits(l) & 0x7f800000u) == 0x7f800000u; }
+
 // Writes pair r of `out`: (the logit as stored, id) for a key, (-inf, 0) for key 0. The logit
 // is read back from `logits` so that its bits (a -0 included) are the input's.
 TP_DEV void topk_write(const TopkParams& p, u32 r, u64 key) {
@@ -181,6 +189,10 @@ TP_DEV void topk_write(const TopkParams& p, u32 r, u64 key) {
 // argmax passes, each for the best key below the previous pick, do it instead (always
 // right, 1 + k reads). When fewer than k threads saw a real logit, tau is 0 and every
 // non-NaN logit is gathered.
+//
+// A row with any NaN or ±inf (seen in the first scan, then one block-wide OR) gets pair 0's
+// logit replaced by NaN, written by thread 0 after its own pair-0 write on every path: the
+// mark Sample turns into TP_NO_TOKEN (ops::ShardTopK).
 extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_TOPK_THREADS, 1) shard_topk(TopkParams p) { tp_pdl_wait();
     __shared__ u64 buf[TP_TOPK_CAP];
     __shared__ u64 red[TP_TOPK_THREADS / 32];  // per wavefront; 32 is the narrowest wave
@@ -189,12 +201,16 @@ extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_TOPK_THREADS, 1) shard_topk(TopkP
 
     float best = tp_f32_from_bits(0xff800000u);
     u32 at = 0xffffffffu;  // no element > -inf seen yet
+    bool bad = false;      // a NaN or ±inf among this thread's elements
     topk_scan(p, [&](u32 i, float l) {
+        bad |= topk_not_finite(l);
         if (l > best) {
             best = l;
             at = i;
         }
     });
+    // Every thread reaches this barrier (the scan has no early exit).
+    const bool row_bad = __syncthreads_or(bad) != 0;
     if (at == 0xffffffffu) {
         // Only -inf and NaN here: the first -inf is this thread's best, if any (rare: a
         // shard of -inf logits).
@@ -205,7 +221,10 @@ extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_TOPK_THREADS, 1) shard_topk(TopkP
     const u64 mine = at == 0xffffffffu ? 0 : topk_key(best, p.vocab_start + at);
     if (p.k == 1) {
         const u64 top = topk_block_max(mine, red);
-        if (tid == 0) topk_write(p, 0, top);
+        if (tid == 0) {
+            topk_write(p, 0, top);
+            if (row_bad) ((float*)p.out)[0] = tp_f32_from_bits(TP_NAN_BITS);
+        }
         return;
     }
 
@@ -233,6 +252,8 @@ extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_TOPK_THREADS, 1) shard_topk(TopkP
         for (u32 i = c + tid; i < size; i += blockDim.x) buf[i] = 0;
         topk_sort_desc(buf, size);
         for (u32 r = tid; r < p.k; r += blockDim.x) topk_write(p, r, r < c ? buf[r] : 0);
+        // Pair 0 is thread 0's own (r = tid = 0 above), so no barrier is needed before this.
+        if (tid == 0 && row_bad) ((float*)p.out)[0] = tp_f32_from_bits(TP_NAN_BITS);
         return;
     }
     // Fallback: pick r is the best key below pick r - 1 (keys are distinct: ids differ).
@@ -247,6 +268,7 @@ extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_TOPK_THREADS, 1) shard_topk(TopkP
         if (tid == 0) topk_write(p, r, b);
         prev = b;  // 0 once the shard is used up: every later pick is 0 too, a pad
     }
+    if (tid == 0 && row_bad) ((float*)p.out)[0] = tp_f32_from_bits(TP_NAN_BITS);
 }
 
 // ---- sample -----------------------------------------------------------------------------
@@ -270,23 +292,28 @@ TP_DEV u32 sample_id(float f) {
 }
 
 // One block of TP_TOPK_THREADS. Reads at most 4096 pairs (32 KiB), writes three u32.
-// The block builds the keys of the valid pairs (logit > -inf: padding and NaN dropped, as
-// `pick` filters), sorts them best first (bitonic, in shared memory), computes the weights of
+// The block builds the keys of the valid pairs (logit > -inf: padding dropped, as `pick`
+// filters), sorts them best first (bitonic, in shared memory), computes the weights of
 // the best TP_TOPK_MAX in parallel, and thread 0 runs the order-dependent rest of `pick`,
-// then advances the state.
+// then advances the state. A NaN logit among the pairs (a row that was not finite; one
+// block-wide OR) makes the token TP_NO_TOKEN, as `pick` returns.
 extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_TOPK_THREADS, 1) sample(SampleParams p) { tp_pdl_wait();
     __shared__ u64 keys[TP_SAMPLE_MAX_CANDS];
     __shared__ float w[TP_TOPK_MAX];
     const float* cands = (const float*)p.cands;
     const u32 size = topk_pow2(p.ncands == 0 ? 1 : p.ncands);
+    bool nan = false;
     for (u32 i = threadIdx.x; i < size; i += blockDim.x) {
         u64 key = 0;
         if (i < p.ncands) {
             const float l = cands[2 * i];
+            nan |= l != l;
             if (l > tp_f32_from_bits(0xff800000u)) key = topk_key(l, sample_id(cands[2 * i + 1]));
         }
         keys[i] = key;
     }
+    // Every thread reaches this barrier (the loop has no early exit).
+    const bool any_nan = __syncthreads_or(nan) != 0;
     topk_sort_desc(keys, size);
 
     // pick(cands, params, next). Thread 0 counts the valid candidates (best first, up to
@@ -312,7 +339,9 @@ extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_TOPK_THREADS, 1) sample(SamplePar
     u32* state = (u32*)p.state;
     const u32 next = state[1] + 1u;  // wraps as decode.rs's wrapping_add
     u32 token;
-    if (valid == 0) {
+    if (any_nan) {
+        token = TP_NO_TOKEN;
+    } else if (valid == 0) {
         token = 0;
     } else if (greedy) {
         token = topk_key_id(keys[0]);

@@ -16,7 +16,7 @@ use tprun_kernels::DType;
 use super::ModelError;
 
 /// Which transformer variant a checkpoint is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Arch {
     Llama,
     Mistral,
@@ -91,6 +91,29 @@ pub struct ModelConfig {
     pub eos: Vec<u32>,
 }
 
+// ---- bounds ------------------------------------------------------------------------------
+// Every dimension is checked against these as config.json is parsed, before anything is sized
+// by it: products of two dimensions (tensor shapes, cache rows) then fit 64 bits many times
+// over, loops over layers end, and a corrupt or hostile config fails with the field's name
+// instead of an allocation of its value. Each bound is several times the largest supported
+// checkpoint's value, so no real model comes near.
+
+/// Most `num_hidden_layers`: 8 × Llama 3.1 405B's 126.
+pub const MAX_LAYERS: usize = 1024;
+/// Widest `hidden_size`, `intermediate_size` and `num_attention_heads · head_dim`: 2^18,
+/// about 5 × Llama 3.1 405B's intermediate size (53248), the widest supported.
+pub const MAX_WIDTH: usize = 1 << 18;
+/// Most `num_attention_heads`: 8 × Llama 3.1 405B's 128.
+pub const MAX_HEADS: usize = 1024;
+/// Widest `head_dim`: 4 × the widest supported (256).
+pub const MAX_HEAD_DIM: usize = 1024;
+/// Largest `vocab_size`: 2^24. The sampler carries token ids as f32 (`ops::ShardTopK`),
+/// exact below 2^24; the largest supported vocab (Qwen's 151936) is far below.
+pub const MAX_VOCAB: usize = 1 << 24;
+/// Largest `max_position_embeddings`: positions are u32 on the device, and the token
+/// history holds one more than the context.
+pub const MAX_POSITIONS: usize = u32::MAX as usize - 1;
+
 /// A JSON object with its file name, so that each accessor can name both in its error.
 struct Fields<'a> {
     file: &'a Path,
@@ -119,23 +142,44 @@ impl Fields<'_> {
         }
     }
 
-    fn usize(&self, field: &str) -> Result<usize, ModelError> {
-        let v = self
-            .usize_opt(field)?
-            .ok_or_else(|| self.err(field, "missing"))?;
-        if v == 0 {
-            return Err(self.err(field, "must be positive"));
+    /// An integer in `1..=max`, or `None` when absent.
+    fn bounded_opt(&self, field: &str, max: usize) -> Result<Option<usize>, ModelError> {
+        match self.usize_opt(field)? {
+            Some(v) if v == 0 || v > max => {
+                Err(self.err(field, format!("{v} is out of range: expected 1 to {max}")))
+            }
+            v => Ok(v),
         }
-        Ok(v)
     }
 
-    fn f64_or(&self, field: &str, default: f64) -> Result<f64, ModelError> {
-        match self.get(field) {
-            None => Ok(default),
+    /// A required integer in `1..=max`.
+    fn bounded(&self, field: &str, max: usize) -> Result<usize, ModelError> {
+        self.bounded_opt(field, max)?
+            .ok_or_else(|| self.err(field, "missing"))
+    }
+
+    /// A finite number > 0 (and < `below`, when given), or `default` when absent.
+    fn positive_or(
+        &self,
+        field: &str,
+        default: f64,
+        below: Option<f64>,
+    ) -> Result<f64, ModelError> {
+        let v = match self.get(field) {
+            None => return Ok(default),
             Some(v) => v
                 .as_f64()
-                .ok_or_else(|| self.err(field, format!("expected a number, got {v}"))),
+                .ok_or_else(|| self.err(field, format!("expected a number, got {v}")))?,
+        };
+        let ok = v.is_finite() && v > 0.0 && below.is_none_or(|b| v < b);
+        if !ok {
+            let range = match below {
+                Some(b) => format!("a number > 0 and < {b}"),
+                None => "a finite number > 0".into(),
+            };
+            return Err(self.err(field, format!("{v} is out of range: expected {range}")));
         }
+        Ok(v)
     }
 
     fn bool_or(&self, field: &str, default: bool) -> Result<bool, ModelError> {
@@ -244,16 +288,26 @@ impl ModelConfig {
                 )
             })?;
 
-        let hidden = f.usize("hidden_size")?;
-        let heads = f.usize("num_attention_heads")?;
-        let kv_heads = f.usize_opt("num_key_value_heads")?.unwrap_or(heads);
-        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+        // Every dimension within its bound, and consistent with the others, before the
+        // config is returned to anything that sizes a buffer or a loop by it.
+        let hidden = f.bounded("hidden_size", MAX_WIDTH)?;
+        let intermediate = f.bounded("intermediate_size", MAX_WIDTH)?;
+        let layers = f.bounded("num_hidden_layers", MAX_LAYERS)?;
+        let vocab = f.bounded("vocab_size", MAX_VOCAB)?;
+        let max_positions = f
+            .bounded_opt("max_position_embeddings", MAX_POSITIONS)?
+            .unwrap_or(4096);
+        let heads = f.bounded("num_attention_heads", MAX_HEADS)?;
+        let kv_heads = f
+            .bounded_opt("num_key_value_heads", MAX_HEADS)?
+            .unwrap_or(heads);
+        if !heads.is_multiple_of(kv_heads) {
             return Err(f.err(
                 "num_key_value_heads",
                 format!("{kv_heads} does not divide num_attention_heads {heads}"),
             ));
         }
-        let head_dim = match f.usize_opt("head_dim")? {
+        let head_dim = match f.bounded_opt("head_dim", MAX_HEAD_DIM)? {
             Some(d) => d,
             None if hidden.is_multiple_of(heads) => hidden / heads,
             None => {
@@ -263,10 +317,18 @@ impl ModelConfig {
                 ))
             }
         };
-        if head_dim == 0 || !head_dim.is_multiple_of(2) {
+        if !head_dim.is_multiple_of(2) {
             return Err(f.err(
                 "head_dim",
                 format!("{head_dim} must be even and positive (RoPE)"),
+            ));
+        }
+        if heads * head_dim > MAX_WIDTH {
+            return Err(f.err(
+                "head_dim",
+                format!(
+                    "num_attention_heads {heads} × head_dim {head_dim} is wider than {MAX_WIDTH}"
+                ),
             ));
         }
         if let Some(act) = f.str_opt("hidden_act")? {
@@ -300,10 +362,10 @@ impl ModelConfig {
                     "llama3" => {
                         let num = |k: &str| -> Result<f64, ModelError> {
                             match rs.get(k).and_then(Value::as_f64) {
-                                Some(v) if v > 0.0 => Ok(v),
+                                Some(v) if v > 0.0 && v.is_finite() => Ok(v),
                                 _ => Err(f.err(
                                     &format!("rope_scaling.{k}"),
-                                    "missing or not a positive number",
+                                    "missing or not a finite positive number",
                                 )),
                             }
                         };
@@ -349,19 +411,27 @@ impl ModelConfig {
                 )
             })?),
         };
-        let rms_eps = f.f64_or("rms_norm_eps", 1e-6)?;
+        // Below 1: the epsilon only guards the division of a norm (typically 1e-5 or 1e-6);
+        // and representable in f32, in which the kernels use it.
+        let rms_eps = f.positive_or("rms_norm_eps", 1e-6, Some(1.0))?;
+        if rms_eps as f32 == 0.0 {
+            return Err(f.err(
+                "rms_norm_eps",
+                format!("{rms_eps} is 0 in f32, the kernels' precision"),
+            ));
+        }
         Ok(ModelConfig {
             arch,
             hidden,
-            intermediate: f.usize("intermediate_size")?,
-            layers: f.usize("num_hidden_layers")?,
+            intermediate,
+            layers,
             heads,
             kv_heads,
             head_dim,
-            vocab: f.usize("vocab_size")?,
-            max_positions: f.usize_opt("max_position_embeddings")?.unwrap_or(4096),
+            vocab,
+            max_positions,
             rms_eps: rms_eps as f32,
-            rope_theta: f.f64_or("rope_theta", 10000.0)?,
+            rope_theta: f.positive_or("rope_theta", 10000.0, None)?,
             rope_scaling,
             qkv_bias: arch == Arch::Qwen2,
             qk_norm: arch == Arch::Qwen3,
@@ -416,7 +486,9 @@ impl ModelConfig {
             "vocab_size": self.vocab,
             "max_position_embeddings": self.max_positions,
             "hidden_act": "silu",
-            "rms_norm_eps": self.rms_eps as f64,
+            // The f32's shortest decimal (1e-5), not its exact binary value widened to f64
+            // (9.999999747378752e-6): what a Hugging Face config holds.
+            "rms_norm_eps": f32_decimal(self.rms_eps),
             "rope_theta": self.rope_theta,
             "rope_scaling": null,
             "tie_word_embeddings": self.tie_embeddings,
@@ -441,13 +513,30 @@ impl ModelConfig {
                 "factor": s.factor,
                 "low_freq_factor": s.low_freq_factor,
                 "high_freq_factor": s.high_freq_factor,
-                "original_max_position_embeddings": s.original_max_position_embeddings,
+                // An integer in Hugging Face configs (8192): written as one when whole.
+                "original_max_position_embeddings": whole_or_float(s.original_max_position_embeddings),
             });
         }
         if self.arch == Arch::Qwen2 {
             v["use_sliding_window"] = Value::Bool(false);
         }
         v
+    }
+}
+
+/// The f64 whose shortest decimal is `x`'s shortest decimal (1e-5 for the f32 nearest 1e-5).
+fn f32_decimal(x: f32) -> f64 {
+    x.to_string()
+        .parse()
+        .expect("an f32's Display parses as f64")
+}
+
+/// `x` as a JSON integer when it is a whole number that fits u64, else as a float.
+fn whole_or_float(x: f64) -> Value {
+    if x.fract() == 0.0 && (0.0..u64::MAX as f64).contains(&x) {
+        Value::from(x as u64)
+    } else {
+        Value::from(x)
     }
 }
 
@@ -558,6 +647,63 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("num_key_value_heads"));
+    }
+
+    /// Every dimension is bounded, and every float finite and positive, at parse: the field
+    /// is named, and nothing is sized by the value first.
+    #[test]
+    fn out_of_range_fields_are_refused_by_name() {
+        let cases: &[(&str, Value)] = &[
+            ("num_hidden_layers", serde_json::json!(100_000_000_000u64)),
+            ("num_hidden_layers", serde_json::json!(0)),
+            ("hidden_size", serde_json::json!(1u64 << 40)),
+            ("intermediate_size", serde_json::json!(MAX_WIDTH + 1)),
+            ("vocab_size", serde_json::json!(MAX_VOCAB + 1)),
+            ("vocab_size", serde_json::json!(-5)),
+            ("num_attention_heads", serde_json::json!(MAX_HEADS + 8)),
+            ("num_key_value_heads", serde_json::json!(0)),
+            ("max_position_embeddings", serde_json::json!(1u64 << 33)),
+            ("head_dim", serde_json::json!(MAX_HEAD_DIM + 2)),
+            ("head_dim", serde_json::json!(999)),
+            ("rope_theta", serde_json::json!(-10000.0)),
+            ("rope_theta", serde_json::json!(0.0)),
+            ("rms_norm_eps", serde_json::json!(-1e-5)),
+            ("rms_norm_eps", serde_json::json!(0.0)),
+            ("rms_norm_eps", serde_json::json!(1e-60)),
+            ("rms_norm_eps", serde_json::json!(2.0)),
+            ("rms_norm_eps", serde_json::json!("1e-5")),
+        ];
+        for (field, value) in cases {
+            let mut v = llama();
+            v[*field] = value.clone();
+            let e = parse(v)
+                .expect_err(&format!("{field} = {value}"))
+                .to_string();
+            assert!(e.contains(field), "{field} = {value}: {e}");
+        }
+        let mut v = llama();
+        v["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": -8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+        assert!(parse(v)
+            .unwrap_err()
+            .to_string()
+            .contains("rope_scaling.factor"));
+    }
+
+    #[test]
+    fn synth_writes_what_a_hugging_face_config_holds() {
+        let mut v = llama();
+        v["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+        let c = parse(v).unwrap();
+        let json = c.to_json();
+        assert_eq!(json["rms_norm_eps"].as_f64(), Some(1e-5));
+        let text = serde_json::to_string(&json).unwrap();
+        assert!(
+            text.contains(r#""original_max_position_embeddings":8192"#) && !text.contains("8192.0"),
+            "{text}"
+        );
+        assert_eq!(parse(c.to_json()).unwrap(), c);
     }
 
     #[test]

@@ -284,6 +284,16 @@ impl<D: Device> Drop for Model<D> {
     }
 }
 
+/// The error of a logit row that is not finite: the `n`th generated token, at `position`,
+/// had NaN or infinite logits (found by the sampler's candidate scan, `ops::ShardTopK`, or in
+/// the host's full row, [`Model::prefill`] / [`Model::step`]).
+pub fn not_finite(n: usize, position: usize) -> RankError {
+    RankError::Model(format!(
+        "decode step {n} (position {position}): the logits are not finite (NaN or infinity): \
+         the weights hold NaN or infinity, or the activations overflowed"
+    ))
+}
+
 fn f32v<B>(b: &B, len: usize) -> View<'_, B> {
     View::new(b, 0, len, DType::F32)
 }
@@ -312,8 +322,22 @@ impl<D: Device> Model<D> {
         opts: &LoadOptions,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Model<D>, ModelError> {
-        let plan = ShardPlan::new(&cfg, rank, world)?;
         let ck = Checkpoint::open(dir)?;
+        Self::load_checkpoint(dev, &ck, cfg, rank, world, opts, progress)
+    }
+
+    /// [`Model::load_with_progress`] from an open checkpoint (one made in memory included:
+    /// `synth::in_memory`).
+    pub fn load_checkpoint(
+        dev: Arc<D>,
+        ck: &Checkpoint,
+        cfg: ModelConfig,
+        rank: usize,
+        world: usize,
+        opts: &LoadOptions,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Model<D>, ModelError> {
+        let plan = ShardPlan::new(&cfg, rank, world)?;
         let wsize = match opts.dtype {
             Some(d) => d.size(),
             None => ck.dtype_of("model.embed_tokens.weight")?.size(),
@@ -336,7 +360,7 @@ impl<D: Device> Model<D> {
                 )));
             }
         }
-        let w = weights::load(&*dev, &ck, &cfg, &plan, opts.dtype, &mut |b| {
+        let w = weights::load(&*dev, ck, &cfg, &plan, opts.dtype, &mut |b| {
             progress(b, total)
         })?;
         let mut m = Self::from_weights(dev, cfg, plan, w, opts.kv_dtype, sizes)?;
@@ -674,13 +698,19 @@ impl<D: Device> Model<D> {
         self.sample(comm, p)?;
         let mark = self.dev.mark()?;
         self.dev.wait_mark(&mark)?;
-        self.read_history(self.len)
+        self.read_history(self.len, 1)
     }
 
-    fn read_history(&self, position: usize) -> Result<u32, RankError> {
+    /// The token the sampler stored for `position`, the `n`th generated one (named in the
+    /// error when the sampler found the logits not finite).
+    fn read_history(&self, position: usize, n: usize) -> Result<u32, RankError> {
         let mut b = [0u8; 4];
         self.dev.read_mapped(&self.history, position * 4, &mut b)?;
-        Ok(decode_u32(&b)[0])
+        let t = decode_u32(&b)[0];
+        if t == ops::NO_TOKEN {
+            return Err(not_finite(n, position));
+        }
+        Ok(t)
     }
 
     /// Generates after [`Model::begin`]: runs single-token steps (replays of one captured
@@ -756,7 +786,7 @@ impl<D: Device> Model<D> {
             self.dev.wait_mark(&mark)?;
             done += 1;
             self.len += 1;
-            let t = self.read_history(self.len)?;
+            let t = self.read_history(self.len, done + 1)?;
             if done <= 3 {
                 tracing::debug!("decode: step {done} done: token {t}");
             }

@@ -252,6 +252,19 @@ impl Checkpoint {
         })
     }
 
+    /// A checkpoint of the one safetensors file at `path` (no index), called `name` in
+    /// messages (a path that will not outlive the opening, such as a memfd's in /proc).
+    pub fn single(path: &Path, name: &Path) -> Result<Checkpoint, ModelError> {
+        let mut file = SafeFile::open(path)?;
+        file.path = name.to_path_buf();
+        let index = file.tensors.keys().map(|t| (t.clone(), 0)).collect();
+        Ok(Checkpoint {
+            files: vec![file],
+            index,
+            dir: name.parent().unwrap_or(Path::new("")).to_path_buf(),
+        })
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)
     }

@@ -1,7 +1,9 @@
 //! Writing a complete Hugging Face model folder with seeded random weights: `config.json`,
 //! `generation_config.json`, `model.safetensors` (streamed to disk a chunk at a time, with a
-//! progress callback) and a byte-level `tokenizer.json`. For tests, benchmarks and demos of
-//! real model shapes without downloading a checkpoint.
+//! progress callback) and a byte-level `tokenizer.json` that covers the whole vocab (the ids
+//! past the bytes decode as made-up words, so a preset's text is never empty whatever ids its
+//! random weights favour). For tests, benchmarks and demos of real model shapes without
+//! downloading a checkpoint.
 //!
 //! Weights are uniform with standard deviation 1/√fan_in (so every projection keeps unit-scale
 //! activations unit-scale), the embedding and LM head 1/√hidden (so logits come out with a
@@ -9,6 +11,7 @@
 
 use std::path::Path;
 
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tprun_kernels::dtype::encode;
 use tprun_kernels::DType;
@@ -17,7 +20,7 @@ use super::rng::Rng;
 use super::{safetensors, Arch, Llama3Scaling, ModelConfig, ModelError};
 
 /// Model shapes `synth` knows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Preset {
     /// For CI: hidden 64, 3 layers, 8 heads over 4 KV heads, an odd MLP width (97), vocab 300.
     Tiny,
@@ -61,7 +64,7 @@ impl Arch {
     }
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SynthOptions {
     pub arch: Arch,
     pub preset: Preset,
@@ -250,13 +253,47 @@ pub fn synth_ids(text: &str) -> Vec<u32> {
         .collect()
 }
 
-/// A byte-level BPE tokenizer.json with no merges: every byte is one token (id = byte value),
-/// plus `<|bos|>` (added at the start of every encoding) and `<|eos|>`.
-pub fn tokenizer_json() -> Value {
-    let vocab: serde_json::Map<String, Value> = byte_chars()
-        .into_iter()
+/// The text of token `id` >= 258 in [`tokenizer_json`]: a space and a made-up word of one to
+/// three consonant–vowel syllables, numbered in order (" ba", " be", …, " baba", …), so that
+/// noise from a random model reads as words. Distinct for every id below 1 010 358 (100 +
+/// 100² + 100³ words), far more than any preset's vocab; beyond that, ids get a numeric word.
+fn word(id: usize) -> String {
+    const C: &[u8; 20] = b"bcdfghjklmnprstvwxyz";
+    const V: &[u8; 5] = b"aeiou";
+    let mut n = id - 258;
+    let mut w = String::from(" ");
+    for len in 1..=3u32 {
+        let count = 100usize.pow(len);
+        if n < count {
+            for _ in 0..len {
+                let s = n % 100;
+                w.push(C[s / 5] as char);
+                w.push(V[s % 5] as char);
+                n /= 100;
+            }
+            return w;
+        }
+        n -= count;
+    }
+    format!(" w{id}")
+}
+
+/// A byte-level BPE tokenizer.json for a vocab of `vocab` ids, with no merges: every byte is
+/// one token (id = byte value), plus `<|bos|>` (added at the start of every encoding) and
+/// `<|eos|>`; ids 258 and up are words ([`word`]) that encoding never produces (no merge makes
+/// them) but decoding shows, so that every id a model samples has text.
+pub fn tokenizer_json(vocab: usize) -> Value {
+    let bytes = byte_chars();
+    let space = bytes[b' ' as usize];
+    // The special tokens are in the model's vocab too, as in Hugging Face's files: the
+    // tokenizers crate gives an added token missing from it the next free id instead.
+    let vocab: serde_json::Map<String, Value> = bytes
+        .iter()
+        .map(|ch| ch.to_string())
+        .chain(["<|bos|>".to_string(), "<|eos|>".to_string()])
+        .chain((SYNTH_EOS as usize + 1..vocab).map(|id| word(id).replace(' ', &space.to_string())))
         .enumerate()
-        .map(|(i, ch)| (ch.to_string(), json!(i)))
+        .map(|(id, t)| (t, json!(id)))
         .collect();
     let special = |id: u32, s: &str| {
         json!({"id": id, "content": s, "single_word": false, "lstrip": false, "rstrip": false,
@@ -308,8 +345,40 @@ pub fn synth(
         "generation_config.json",
         &json!({"bos_token_id": SYNTH_BOS, "eos_token_id": cfg.eos, "do_sample": false}),
     )?;
-    write_json("tokenizer.json", &tokenizer_json())?;
+    write_json("tokenizer.json", &tokenizer_json(cfg.vocab))?;
+    write_weights(&dir.join("model.safetensors"), opts, progress)?;
+    Ok(cfg)
+}
 
+/// The model `synth` writes for `opts`, made in memory instead: its config, and a checkpoint
+/// whose one file is a memfd. Nothing touches the filesystem, so nothing can be left there
+/// however the process ends; the memory goes with the last mapping. The embedded default of
+/// `decode` runs from this on every rank.
+pub fn in_memory(
+    opts: &SynthOptions,
+) -> Result<(ModelConfig, safetensors::Checkpoint), ModelError> {
+    use std::os::fd::AsRawFd;
+    let memfd =
+        nix::sys::memfd::memfd_create(c"tprun-synth-model", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
+            .map_err(|e| ModelError::io("memfd_create", e.into()))?;
+    // The memfd's name in /proc: writing and mapping it there is writing and mapping a file
+    // (opening it again shares the memfd's memory), so the writer and reader need no second way in.
+    let path = std::path::PathBuf::from(format!("/proc/self/fd/{}", memfd.as_raw_fd()));
+    write_weights(&path, opts, &mut |_, _| {})?;
+    let ck = safetensors::Checkpoint::single(&path, Path::new("memfd:tprun-synth-model"))?;
+    // The checkpoint's map holds the memory from here on.
+    drop(memfd);
+    Ok((config_for(opts), ck))
+}
+
+/// Writes the weights of `synth`'s model for `opts` to the safetensors file `path`.
+/// `progress(done, total)` is called with bytes of tensor data written so far.
+fn write_weights(
+    path: &Path,
+    opts: &SynthOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<(), ModelError> {
+    let cfg = config_for(opts);
     let list = tensor_list(&cfg, opts.dtype);
     let total: u64 = list
         .iter()
@@ -321,7 +390,7 @@ pub fn synth(
         .collect();
     let mut done = 0u64;
     progress(0, total);
-    safetensors::write(&dir.join("model.safetensors"), &header, &mut |i, out| {
+    safetensors::write(path, &header, &mut |i, out| {
         let (_, dtype, shape, init) = &list[i];
         // Each tensor has its own stream, so its values do not depend on the others' sizes.
         let mut rng = Rng::new(opts.seed ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
@@ -339,13 +408,42 @@ pub fn synth(
             left -= k;
         }
         Ok(())
-    })?;
-    Ok(cfg)
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_in_memory_model_is_the_folder_model_with_no_file() {
+        let opts = SynthOptions {
+            arch: Arch::Qwen2,
+            preset: Preset::Tiny,
+            dtype: DType::BF16,
+            seed: 7,
+            tie_embeddings: None,
+        };
+        let dir = std::env::temp_dir().join(format!("tprun-synth-mem-{}", std::process::id()));
+        let cfg = synth(&dir, &opts, &mut |_, _| {}).unwrap();
+        let on_disk = safetensors::Checkpoint::open(&dir).unwrap();
+        let (mem_cfg, in_mem) = in_memory(&opts).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(mem_cfg, cfg);
+        for (name, _, shape, _) in tensor_list(&cfg, opts.dtype) {
+            let full = safetensors::Slice::Full;
+            assert!(in_mem.contains(&name), "{name}");
+            assert_eq!(
+                in_mem.read_f32(&name, &shape, &full).unwrap(),
+                on_disk.read_f32(&name, &shape, &full).unwrap(),
+                "{name}"
+            );
+        }
+        // What the checkpoint maps is a memfd, not a file anywhere on disk.
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        assert!(maps.contains("/memfd:tprun-synth-model"), "{maps}");
+        drop(in_mem);
+    }
 
     #[test]
     fn presets_have_real_shapes() {

@@ -164,7 +164,9 @@ fn better(a: (f32, u32), b: (f32, u32)) -> bool {
 pub(crate) fn shard_topk(a: &ops::ShardTopK<'_, CpuBuf>) -> Result<()> {
     let logits = read_f32(&a.logits)?;
     let mut best: Vec<(f32, u32)> = Vec::with_capacity(a.k + 1);
+    let mut finite = true;
     for (i, &l) in logits.iter().enumerate() {
+        finite &= l.is_finite();
         if l.is_nan() {
             continue;
         }
@@ -185,13 +187,21 @@ pub(crate) fn shard_topk(a: &ops::ShardTopK<'_, CpuBuf>) -> Result<()> {
         out[2 * i] = l;
         out[2 * i + 1] = id as f32;
     }
+    if !finite {
+        // The row is not finite: mark it for Sample (ops::ShardTopK).
+        out[0] = f32::from_bits(ops::NAN_BITS);
+    }
     write_f32(&a.out, &out)
 }
 
 /// The token [`ops::Sample`] picks from candidate pairs, written once for the CPU backend and
 /// mirrored line by line by the GPU kernel (sample.cu).
 pub fn pick(cands: &[f32], p: &ops::SampleParams, position: u32) -> u32 {
-    // Valid candidates (padding and NaN dropped), best first.
+    // A NaN logit: some shard's row was not finite (ops::ShardTopK); no token to pick.
+    if cands.chunks_exact(2).any(|pair| pair[0].is_nan()) {
+        return ops::NO_TOKEN;
+    }
+    // Valid candidates (padding dropped), best first.
     let mut c: Vec<(f32, u32)> = cands
         .chunks_exact(2)
         .filter(|pair| pair[0] > f32::NEG_INFINITY)
@@ -277,7 +287,6 @@ mod tests {
         let mut rng = Rng::new(5);
         let vocab = 1000;
         let mut logits = rng.vec_sym(vocab);
-        logits[17] = f32::NAN;
         logits[700] = 3.0;
         logits[701] = 3.0; // a tie: the lower id wins
         let world = 3;
@@ -313,6 +322,58 @@ mod tests {
         assert_eq!(st, vec![700, 5]);
         let tk = read_u32(&View::new(&tokens, 0, 8, DType::U32)).unwrap();
         assert_eq!(tk[5], 700);
+    }
+
+    /// A NaN or infinity anywhere in a shard's logits marks its pair 0 NaN, and Sample then
+    /// gives NO_TOKEN: greedy or not, and whichever shard held it.
+    #[test]
+    fn a_row_that_is_not_finite_gives_no_token() {
+        let dev = CpuDevice::new(0, 2, 10);
+        let vocab = 100;
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            for at in [0, 37, 99] {
+                let mut logits: Vec<f32> = (0..vocab).map(|i| (i % 13) as f32 * 0.25).collect();
+                logits[at] = bad;
+                let world = 2;
+                let k = 4;
+                let cands = dev.alloc(world * 2 * k * 4).unwrap();
+                for r in 0..world {
+                    let sh = crate::comm::shard_range(vocab, world, r);
+                    let lb = upload(&dev, DType::F32, &logits[sh.clone()]);
+                    dev.run(&Op::ShardTopK(ops::ShardTopK {
+                        logits: View::new(&lb, 0, sh.len(), DType::F32),
+                        vocab_start: sh.start,
+                        k,
+                        out: View::new(&cands, r * 2 * k * 4, 2 * k, DType::F32),
+                    }))
+                    .unwrap();
+                }
+                let pairs = read_f32(&View::new(&cands, 0, world * 2 * k, DType::F32)).unwrap();
+                let shard = at / (vocab / world);
+                assert_eq!(
+                    pairs[shard * 2 * k].to_bits(),
+                    ops::NAN_BITS,
+                    "{bad} at {at}"
+                );
+                for t in [0.0, 1.0] {
+                    let p = SampleParams {
+                        temperature: t,
+                        top_k: 0,
+                        top_p: 1.0,
+                        seed: 1,
+                    };
+                    assert_eq!(pick(&pairs, &p, 5), ops::NO_TOKEN, "{bad} at {at}, t {t}");
+                }
+            }
+        }
+        // Padding alone is no error (an empty shard's pairs): token 0, as before.
+        let p = SampleParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 1,
+        };
+        assert_eq!(pick(&[f32::NEG_INFINITY, 0.0], &p, 1), 0);
     }
 
     #[test]
