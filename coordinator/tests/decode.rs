@@ -138,17 +138,19 @@ fn dump_logits_writes_a_row_per_token_and_graph_mode_agrees() {
     let model = synth(&env, "qwen3", "f32");
     let mut rows = Vec::new();
     for world in [1usize, 2] {
+        // Six greedy tokens, with the flags under test.
+        let greedy6 = |flags: &[&str]| {
+            let base = [
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "6",
+                "--ignore-eos",
+            ];
+            decode_json(&env, world, &model, &[&base[..], flags].concat())
+        };
         let f = env.dir.join(format!("logits-{world}.f32"));
-        let args = [
-            "--temperature",
-            "0",
-            "--max-new-tokens",
-            "6",
-            "--ignore-eos",
-            "--dump-logits",
-            f.to_str().unwrap(),
-        ];
-        let v = decode_json(&env, world, &model, &args);
+        let v = greedy6(&["--dump-logits", f.to_str().unwrap()]);
         let toks = ids(&v["token_ids"]);
         let bytes = std::fs::read(&f).unwrap();
         let vals: Vec<f32> = bytes
@@ -165,35 +167,10 @@ fn dump_logits_writes_a_row_per_token_and_graph_mode_agrees() {
             assert_eq!(best as u64, t, "world {world}");
         }
         rows.push(vals);
-        let g = decode_json(
-            &env,
-            world,
-            &model,
-            &[
-                "--temperature",
-                "0",
-                "--max-new-tokens",
-                "6",
-                "--ignore-eos",
-                "--graph",
-                "on",
-            ],
-        );
+        let g = greedy6(&["--graph", "on"]);
         assert_eq!(ids(&g["token_ids"]), toks, "graph on, world {world}");
         assert_eq!(g["graph"], false, "no graphs on the cpu backend");
-        let prof = decode_json(
-            &env,
-            world,
-            &model,
-            &[
-                "--temperature",
-                "0",
-                "--max-new-tokens",
-                "6",
-                "--ignore-eos",
-                "--profile",
-            ],
-        );
+        let prof = greedy6(&["--profile"]);
         assert_eq!(ids(&prof["token_ids"]), toks, "--profile, world {world}");
         assert_eq!(
             prof["profile"],

@@ -281,6 +281,24 @@ mod tests {
         b
     }
 
+    /// Each of `world` shards' `k` best (logit, id) pairs of `logits`, back to back (rank r's
+    /// at 2k·r), as the model gathers them.
+    fn shard_topk_all(dev: &CpuDevice, logits: &[f32], world: usize, k: usize) -> CpuBuf {
+        let cands = dev.alloc(world * 2 * k * 4).unwrap();
+        for r in 0..world {
+            let sh = crate::comm::shard_range(logits.len(), world, r);
+            let lb = upload(dev, DType::F32, &logits[sh.clone()]);
+            dev.run(&Op::ShardTopK(ops::ShardTopK {
+                logits: View::new(&lb, 0, sh.len(), DType::F32),
+                vocab_start: sh.start,
+                k,
+                out: View::new(&cands, r * 2 * k * 4, 2 * k, DType::F32),
+            }))
+            .unwrap();
+        }
+        cands
+    }
+
     #[test]
     fn topk_then_greedy_sample_is_the_argmax_of_all_shards() {
         let dev = CpuDevice::new(0, 2, 10);
@@ -291,18 +309,7 @@ mod tests {
         logits[701] = 3.0; // a tie: the lower id wins
         let world = 3;
         let k = 4;
-        let cands = dev.alloc(world * 2 * k * 4).unwrap();
-        for r in 0..world {
-            let sh = crate::comm::shard_range(vocab, world, r);
-            let lb = upload(&dev, DType::F32, &logits[sh.clone()]);
-            dev.run(&Op::ShardTopK(ops::ShardTopK {
-                logits: View::new(&lb, 0, sh.len(), DType::F32),
-                vocab_start: sh.start,
-                k,
-                out: View::new(&cands, r * 2 * k * 4, 2 * k, DType::F32),
-            }))
-            .unwrap();
-        }
+        let cands = shard_topk_all(&dev, &logits, world, k);
         let state = u32buf(&dev, &[9, 4]);
         let tokens = u32buf(&dev, &[0; 8]);
         let p = SampleParams {
@@ -336,18 +343,7 @@ mod tests {
                 logits[at] = bad;
                 let world = 2;
                 let k = 4;
-                let cands = dev.alloc(world * 2 * k * 4).unwrap();
-                for r in 0..world {
-                    let sh = crate::comm::shard_range(vocab, world, r);
-                    let lb = upload(&dev, DType::F32, &logits[sh.clone()]);
-                    dev.run(&Op::ShardTopK(ops::ShardTopK {
-                        logits: View::new(&lb, 0, sh.len(), DType::F32),
-                        vocab_start: sh.start,
-                        k,
-                        out: View::new(&cands, r * 2 * k * 4, 2 * k, DType::F32),
-                    }))
-                    .unwrap();
-                }
+                let cands = shard_topk_all(&dev, &logits, world, k);
                 let pairs = read_f32(&View::new(&cands, 0, world * 2 * k, DType::F32)).unwrap();
                 let shard = at / (vocab / world);
                 assert_eq!(
