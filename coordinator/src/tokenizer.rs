@@ -108,6 +108,7 @@ impl TextStream {
     }
 
     /// Ids kept for context and held back (at most a piece's worth, whatever was generated).
+    #[cfg(test)]
     pub fn window_len(&self) -> usize {
         self.window.len()
     }
