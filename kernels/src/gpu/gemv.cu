@@ -174,9 +174,13 @@ TP_DEV void gemv_pack(const V16 (&wv)[R], const float* const (&xr)[MT], u32 k, u
 
 // The 16-byte path: this lane's packs lane, lane + TP_WAVE, ... of k / V, U at a time while
 // all U exist for this lane, then one at a time.
+//
+// `waited`: whether this thread has passed tp_pdl_wait(). The first weight loads are issued
+// before it (weights are written by no kernel of the step), so under programmatic dependent
+// launch they overlap the end of the kernel before; x, its output, is read only after.
 template <class W, int R, int MT, int U, bool SILU>
 TP_DEV void gemv_dot_vec(const u8* const (&wr)[R], const float* const (&xr)[MT], u32 k, u32 lane,
-                         float (&acc)[R][MT]) {
+                         float (&acc)[R][MT], bool& waited) {
     const u32 packs = k / W::V;
     u32 c = lane;
     for (; c + (U - 1) * TP_WAVE < packs; c += U * TP_WAVE) {
@@ -186,9 +190,17 @@ TP_DEV void gemv_dot_vec(const u8* const (&wr)[R], const float* const (&xr)[MT],
 #pragma unroll
             for (int r = 0; r < R; ++r) wv[u][r] = gemv_ld_w(wr[r] + (u64)(c + u * TP_WAVE) * 16);
         }
+        if (!waited) {
+            tp_pdl_wait();
+            waited = true;
+        }
 #pragma unroll
         for (int u = 0; u < U; ++u)
             gemv_pack<W, R, MT, SILU>(wv[u], xr, k, (u64)(c + u * TP_WAVE) * W::V, acc);
+    }
+    if (!waited) {
+        tp_pdl_wait();
+        waited = true;
     }
     for (; c < packs; c += TP_WAVE) {
         V16 wv[R];
@@ -227,6 +239,8 @@ TP_DEV void gemv(const GemvParams& p) {
     const u8* w = (const u8*)p.w;
     float* y = (float*)p.y;
     const float* bias = (const float*)p.bias;
+    // A thread with no rows to compute exits without waiting: it reads and writes nothing.
+    bool waited = false;
     for (u32 tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
         const u32 t0 = tile * MT;
         // Tokens past m repeat the last one: computed like the others, never written.
@@ -248,8 +262,12 @@ TP_DEV void gemv(const GemvParams& p) {
                 for (int t = 0; t < MT; ++t) acc[r][t] = 0.0f;
             }
             if (p.vec) {
-                gemv_dot_vec<W, R, MT, U, SILU>(wr, xr, p.k, lane, acc);
+                gemv_dot_vec<W, R, MT, U, SILU>(wr, xr, p.k, lane, acc, waited);
             } else {
+                if (!waited) {
+                    tp_pdl_wait();
+                    waited = true;
+                }
                 gemv_dot_scalar<W, R, MT, SILU>(wr, xr, p.k, lane, acc);
             }
 #pragma unroll
@@ -271,8 +289,8 @@ TP_DEV void gemv(const GemvParams& p) {
 // Kernel names: gemv_* (m = 1) and gemm_* (m > 1), plain and _silu, per weight dtype; the
 // order of kernels/src/cuda/ops_gemv.rs NAMES.
 #define TP_GEMV_KERNEL(name, W, R, MT, U, SILU)                                         \
-    extern "C" __global__ void TP_LAUNCH_BOUNDS(256, 1) name(const GemvParams p) { tp_pdl_wait();      \
-        gemv<W, R, MT, U, SILU>(p);                                                      \
+    extern "C" __global__ void TP_LAUNCH_BOUNDS(256, 1) name(const GemvParams p) {      \
+        gemv<W, R, MT, U, SILU>(p); /* waits for the kernel before once its loads are out */ \
     }
 #define TP_GEMV_DTYPE(d, W)                                                               \
     TP_GEMV_KERNEL(gemv_##d, W, TP_GEMV_ROWS, 1, TP_GEMV_UNROLL / TP_GEMV_ROWS, false)    \

@@ -235,8 +235,18 @@ TP_DEV u64 tp_time_ns() {
 // griddepcontrol.wait), so every read of an earlier kernel's output must come after it.
 // Work that reads only what no kernel of the step writes (weights) may run before it: that
 // is the overlap. Without the launch attribute, and on HIP, it is a no-op.
+//
+// Once past the wait, the block also lets the next kernel launch (griddepcontrol.
+// launch_dependents: the next grid starts when every block of this one has said so or
+// exited). Without it the next kernel would launch only as this one's last block exits, and
+// its weight loads would start from an idle memory system; with it, the next kernel's blocks
+// take the SM room this one leaves and issue their first weight loads while this one runs.
+// After the wait, not before: then at most two kernels of the chain are in flight, the
+// running one and the next one prefetching, and a waiting block never holds room that an
+// earlier kernel still needs (every block of the kernel it waits on is already resident).
 TP_DEV void tp_pdl_wait() {
 #if defined(TP_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
