@@ -1,8 +1,10 @@
 //! Launchers of `kernels/src/gpu/attention.cu` (`Op::Attention`) and its twin cases.
 //!
-//! With a workspace: `attn_split_g{G}_{dtype}` on a grid (kv_heads · chunks, splits, rows),
-//! one block per (KV head, ≤ 8 of its query heads, 256-position split, row), then
-//! `attn_merge` on (heads, rows). Without: `attn_single_g{G}_{dtype}` on (kv_heads · chunks,
+//! With a workspace: `attn_split_g{G}_{dtype}` on a grid (kv_heads · chunks, parts, rows),
+//! one block per (KV head, ≤ 8 of its query heads, part of the row's positions, row), then
+//! `attn_merge` on (heads, rows). `parts` is chosen here (about two blocks per SM over the
+//! grid, at most one per 256 positions of the cache); how many positions a part holds, the
+//! kernels decide from the position on the device. Without: `attn_single_g{G}_{dtype}` on (kv_heads · chunks,
 //! rows). The grid depends on `cap`, never on the positions (they are on the device), so one
 //! captured launch serves every token. Heads per block: the query heads of one KV head
 //! together (GQA), G the power of two that holds min(group, 8).
@@ -79,7 +81,7 @@ struct AttnParams {
     kv_heads: u32,
     head_dim: u32,
     cap: u32,
-    splits: u32,
+    parts: u32,
     group: u32,
     chunks: u32,
     vec: u32,
@@ -141,7 +143,11 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
     let splits = cap.div_ceil(ATTN_SPLIT);
     let group = a.heads / a.kv_heads;
     let chunks = group.div_ceil(GMAX);
-    // Rows go on grid z (split kernel) or y (single kernel), splits on y.
+    // Two blocks per SM (the kernels' launch bounds) over the grid's x and z; never more
+    // parts than the workspace holds (one per ATTN_SPLIT positions of the cache).
+    let others = (a.kv_heads * chunks).saturating_mul(a.rows).max(1);
+    let parts = (2 * l.sms as usize).div_ceil(others).clamp(1, splits);
+    // Rows go on grid z (split kernel) or y (single kernel), parts on y.
     if a.rows > GRID_YZ_MAX
         || splits > GRID_YZ_MAX
         || cap > u32::MAX as usize
@@ -166,7 +172,7 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
         kv_heads: a.kv_heads as u32,
         head_dim: d as u32,
         cap: cap as u32,
-        splits: splits as u32,
+        parts: parts as u32,
         group: group as u32,
         chunks: chunks as u32,
         // A row of one KV head starts at a multiple of d · size bytes from the base.
@@ -185,10 +191,10 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
                 kernel_index(false, group, a.k_cache.dtype),
             );
             // SAFETY: AttnParams is the parameter of every attention.cu kernel; every address
-            // was bounds-checked above (the workspace for the rows · heads · splits partials
+            // was bounds-checked above (the workspace for the rows · heads · parts partials
             // the kernels write) and stays valid while the stream runs (the caller keeps its
             // buffers alive until a sync).
-            unsafe { l.launch_fn(split, (x, splits as u32, a.rows as u32), THREADS, 0, &mut p)? };
+            unsafe { l.launch_fn(split, (x, parts as u32, a.rows as u32), THREADS, 0, &mut p)? };
             let merge = l.kernels.func(Module::Attention, MERGE);
             // SAFETY: as above.
             unsafe {
@@ -334,7 +340,7 @@ fn positions(cap: usize, pattern: usize) -> Vec<u32> {
 
 /// The twin cases: every KV dtype × head layouts (1/1, 4/2, 8/1, 6/6) × head_dim 8, 64, 128 ×
 /// caps 1, 10, 300, 1000, each shape with the next position pattern, with and without a
-/// workspace; then odd shapes.
+/// workspace; then odd shapes, and parts of several chunks.
 fn cases(seed: u64) -> Vec<AttnCase> {
     let mut out = Vec::new();
     let mut case_seed = seed;
@@ -392,6 +398,20 @@ fn cases(seed: u64) -> Vec<AttnCase> {
                 pattern += 1;
             }
         }
+        // Three rows over a long cache and 8 KV heads: fewer parts than 256-position splits
+        // (on any GPU of under ~700 SMs), so a part walks several chunks, merging them as it
+        // goes (attn_range's running state in the split kernel).
+        out.push(AttnCase {
+            dtype,
+            heads: 32,
+            kv_heads: 8,
+            d: 128,
+            cap: 16384,
+            pos: vec![16383, 5000, 300],
+            workspace: true,
+            shift: 0,
+            seed: next_seed(),
+        });
     }
     out
 }

@@ -6,27 +6,31 @@
 //
 // The sequence length lives on the device (query r sees cache rows 0..=pos[r], pos clamped to
 // cap - 1), because the launch is captured once into a graph and replayed for every token. So
-// the grid is sized from `cap`: the cache is cut into splits of TP_ATTN_SPLIT positions
-// ("flash-decoding", as FlashInfer's and FlashAttention's decode kernels do), one block per
-// (KV head, split, row) writes the partial softmax state of its split into the workspace, and
-// attn_merge combines the partials. A block whose split starts past pos[r] writes an empty
-// partial and exits at once, so a short sequence in a large cache costs one tiny block per
-// unused split. Without a workspace, attn_single_* walk all splits in one block per
-// (KV head, row), merging as they go with the same rule.
+// the grid is fixed at launch and the work adapts inside it ("flash-decoding", as
+// FlashInfer's and FlashAttention's decode kernels do, with the split length chosen on the
+// device): each row's pos + 1 positions are cut into `parts` parts (attn_part_len, at least
+// TP_ATTN_PART_MIN positions each), one block per (KV head, part, row) writes the partial
+// softmax state of its part into the workspace, and attn_merge combines the partials. A part
+// past pos[r] writes an empty partial and exits at once. A block walks its part in chunks of
+// TP_ATTN_SPLIT positions (the shared-memory score rows), merging as it goes; without a
+// workspace, attn_single_* walk all positions of a row in one block per (KV head, row).
+// (Until 2026-12-03 the parts were fixed 256-position splits of the cache: a 256-token
+// sequence then ran on 8 blocks of 132 SMs, and a 32K one on 1024.)
 //
 // GQA: a block serves the query heads of one KV head together (up to TP_ATTN_GMAX of them;
 // larger groups are cut into head chunks of TP_ATTN_GMAX), so every K and V row is read from
 // memory once per KV head, not once per query head. The kernels are instantiated for
 // G = 1, 2, 4, 8 heads per block; a group of 3 runs in the G = 4 kernel with one head idle.
 //
-// The partial softmax state of split i over its keys T_i, per query head:
+// The partial softmax state of part (or chunk) i over its keys T_i, per query head:
 //     m_i = max_{t in T_i} s_t,   l_i = sum_t e^(s_t - m_i),   o_i = sum_t e^(s_t - m_i) v_t
 // and the merge (exact in real arithmetic, whatever the split boundaries):
 //     m = max_i m_i,   out = sum_i e^(m_i - m) o_i / sum_i e^(m_i - m) l_i
-// Workspace layout (ops::Attention::workspace_len): partial (row r, query head h, split i) is
-// (head_dim + 2) f32 at ((r * heads + h) * splits + i) * (head_dim + 2): [m, l, o[0..d)].
-// An empty split is (m, l) = (-inf, 0) with o unwritten; the merge never reads it (it reads
-// only the splits up to pos[r]'s).
+// Workspace layout (ops::Attention::workspace_len, sized for ceil(cap / TP_ATTN_SPLIT) parts,
+// the most the launcher uses): partial (row r, query head h, part i) is (head_dim + 2) f32 at
+// ((r * heads + h) * parts + i) * (head_dim + 2): [m, l, o[0..d)]. An empty part is
+// (m, l) = (-inf, 0) with o unwritten; the merge never reads it (it reads only the parts up
+// to pos[r]'s).
 
 #include "elem.h"
 
@@ -40,6 +44,8 @@
 #define TP_ATTN_DMAX 256
 // Most query heads one block serves (registers: G * 8 accumulators per thread, see phase 3).
 #define TP_ATTN_GMAX 8
+// Fewest positions per part (attn_part_len), a multiple of the wavefront.
+#define TP_ATTN_PART_MIN 32
 // Threads of attn_merge: one per output element (head_dim <= TP_ATTN_DMAX).
 #define TP_ATTN_MERGE_THREADS 256
 
@@ -56,7 +62,7 @@ struct AttnParams {
     u32 kv_heads;
     u32 head_dim;
     u32 cap;       // cache rows
-    u32 splits;    // ceil(cap / TP_ATTN_SPLIT)
+    u32 parts;     // grid y of the split kernel: parts each row's positions are cut into
     u32 group;     // heads / kv_heads
     u32 chunks;    // ceil(group / TP_ATTN_GMAX): blocks per KV head along grid x
     u32 vec;       // 1 when K and V rows allow 16-byte loads (addresses and head_dim * size)
@@ -77,6 +83,15 @@ TP_DEV float attn_wave_max(float v) {
 TP_DEV u32 attn_pos(const AttnParams& p, u32 row) {
     const u32 x = ((const u32*)p.pos)[row];
     return x < p.cap ? x : p.cap - 1;
+}
+
+// Positions per part for a query at `pos` (split kernel and merge agree through this): the
+// pos + 1 positions cut into p.parts parts, rounded up to TP_ATTN_PART_MIN so that a short
+// sequence uses a few blocks of a useful size rather than all of them with a key or two.
+// Part i covers [i * len, min((i + 1) * len, pos + 1)); parts past pos are empty.
+TP_DEV u32 attn_part_len(const AttnParams& p, u32 pos) {
+    const u32 len = (pos + p.parts) / p.parts;  // ceil((pos + 1) / parts)
+    return (len + TP_ATTN_PART_MIN - 1) / TP_ATTN_PART_MIN * TP_ATTN_PART_MIN;
 }
 
 // What one block keeps in shared memory: the queries of its G heads (zero past head_dim), the
@@ -362,27 +377,80 @@ TP_DEV AttnHeads attn_heads(const AttnParams& p) {
     return a;
 }
 
-// Grid (kv_heads * chunks, splits, rows), TP_ATTN_THREADS threads: the partial state of one
-// split for one head chunk and one row, into the workspace. Reads the split's K and V rows of
-// one KV head once (2 * 256 * d * size bytes; d = 128 bf16: 128 KiB) and writes
-// G * (d + 2) f32. Measured on an H200 (eager launches, split + merge, d = 128 bf16, one
-// query at the end of the cache, before the fmaf change): 1.5 TB/s of K+V at 32K positions
-// and 8 KV heads, 1.1 TB/s at 128K and 2 KV heads, i.e. 25-35 % of the 4.26 TB/s copy
-// ceiling; 17 us at 512-4K positions, where that measurement counted host launch time.
-// The instruction count (G multiply-adds per element read) is the suspected limit at G >= 4;
-// not profiled yet.
+// The running state of a block that walks more than one TP_ATTN_SPLIT chunk of keys.
+template <int G>
+struct AttnRun {
+    float o[G][TP_ATTN_DMAX];
+    float m[G], l[G], fa[G], fb[G];
+};
+
+// The unnormalised state of keys [b, e) (b < e) for the block's heads: in sm.m/l/o when the
+// range is one chunk (then `run` is untouched), else merged chunk by chunk into run.m/l/o
+// with the rule at the top of this file. Returns whether the state is in `run`. Needs sm.q
+// loaded and a barrier after it; ends with a barrier.
 template <class D, int G>
-TP_DEV void attn_split_kernel(const AttnParams& p, AttnSmem<G>& sm) {
+TP_DEV bool attn_range(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& run, const u8* kh, const u8* vh,
+                       u32 b, u32 e) {
+    const u32 tid = threadIdx.x, d = p.head_dim;
+    if (e - b <= TP_ATTN_SPLIT) {
+        if (p.vec) {
+            attn_split<D, G, true>(p, sm, kh, vh, b, e - b);
+        } else {
+            attn_split<D, G, false>(p, sm, kh, vh, b, e - b);
+        }
+        return false;
+    }
+    for (u32 i = tid; i < (u32)G * TP_ATTN_DMAX; i += TP_ATTN_THREADS) run.o[i / TP_ATTN_DMAX][i % TP_ATTN_DMAX] = 0.0f;
+    if (tid < (u32)G) {
+        run.m[tid] = attn_neg_inf();
+        run.l[tid] = 0.0f;
+    }
+    __syncthreads();
+    for (u32 t0 = b; t0 < e; t0 += TP_ATTN_SPLIT) {
+        const u32 n = e - t0 < TP_ATTN_SPLIT ? e - t0 : TP_ATTN_SPLIT;
+        if (p.vec) {
+            attn_split<D, G, true>(p, sm, kh, vh, t0, n);
+        } else {
+            attn_split<D, G, false>(p, sm, kh, vh, t0, n);
+        }
+        // First chunk: run.m = -inf, so fa = e^-inf = 0 and the state becomes the chunk's.
+        if (tid < (u32)G) {
+            const float mn = fmaxf(run.m[tid], sm.m[tid]);
+            run.fa[tid] = expf(run.m[tid] - mn);
+            run.fb[tid] = expf(sm.m[tid] - mn);
+            run.l[tid] = run.fa[tid] * run.l[tid] + run.fb[tid] * sm.l[tid];
+            run.m[tid] = mn;
+        }
+        __syncthreads();
+        for (u32 i = tid; i < (u32)G * d; i += TP_ATTN_THREADS) {
+            const u32 g = i / d, j = i % d;
+            run.o[g][j] = run.fa[g] * run.o[g][j] + run.fb[g] * sm.o[g][j];
+        }
+        __syncthreads();
+    }
+    return true;
+}
+
+// Grid (kv_heads * chunks, parts, rows), TP_ATTN_THREADS threads: the partial state of one
+// part of a row's positions (attn_part_len) for one head chunk, into the workspace. The
+// number of parts is the launcher's (about two blocks per SM over the grid's x and z, at most
+// one per TP_ATTN_SPLIT positions of the cache), and the part length follows the position on
+// the device: 256 positions over 8 KV heads are 8 parts of 32 keys, 32K positions 33 parts of
+// ~1K keys, so short and long sequences both spread over the SMs. Reads the part's K and V
+// rows of one KV head once and writes G * (d + 2) f32.
+template <class D, int G>
+TP_DEV void attn_split_kernel(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& run) {
     const AttnHeads hd = attn_heads(p);
-    const u32 split = blockIdx.y, row = blockIdx.z;
+    const u32 part = blockIdx.y, row = blockIdx.z;
     const u32 pos = attn_pos(p, row);
-    const u32 t0 = split * TP_ATTN_SPLIT;
+    const u32 len = attn_part_len(p, pos);
+    const u32 b = part * len;
     const u32 d = p.head_dim;
     float* ws = (float*)p.ws;
     const u64 stride = (u64)d + 2;
-    const u64 first = (((u64)row * p.heads + hd.h0) * p.splits + split) * stride;
-    const u64 head_step = (u64)p.splits * stride;  // from head h to h + 1
-    if (t0 > pos) {
+    const u64 first = (((u64)row * p.heads + hd.h0) * p.parts + part) * stride;
+    const u64 head_step = (u64)p.parts * stride;  // from head h to h + 1
+    if (b > pos) {
         // Nothing to see here (the whole block takes this branch): an empty partial.
         if (threadIdx.x < hd.gcount) {
             float* w = ws + first + threadIdx.x * head_step;
@@ -391,37 +459,33 @@ TP_DEV void attn_split_kernel(const AttnParams& p, AttnSmem<G>& sm) {
         }
         return;
     }
-    const u32 left = pos + 1 - t0;
-    const u32 n = left < TP_ATTN_SPLIT ? left : TP_ATTN_SPLIT;
+    const u32 e = pos + 1 - b < len ? pos + 1 : b + len;
     attn_load_q<G>(p, sm, row, hd.h0, hd.gcount);
     __syncthreads();
     const u64 hoff = (u64)hd.kvh * d * D::SIZE;
-    const u8* kh = (const u8*)p.k + hoff;
-    const u8* vh = (const u8*)p.v + hoff;
-    if (p.vec) {
-        attn_split<D, G, true>(p, sm, kh, vh, t0, n);
-    } else {
-        attn_split<D, G, false>(p, sm, kh, vh, t0, n);
-    }
+    const bool in_run = attn_range<D, G>(p, sm, run, (const u8*)p.k + hoff, (const u8*)p.v + hoff, b, e);
+    const float* m = in_run ? run.m : sm.m;
+    const float* l = in_run ? run.l : sm.l;
     for (u32 i = threadIdx.x; i < hd.gcount * (u32)stride; i += TP_ATTN_THREADS) {
         const u32 g = i / (u32)stride, j = i % (u32)stride;
-        ws[first + g * head_step + j] = j == 0 ? sm.m[g] : (j == 1 ? sm.l[g] : sm.o[g][j - 2]);
+        ws[first + g * head_step + j] = j == 0 ? m[g] : (j == 1 ? l[g] : (in_run ? run.o[g][j - 2] : sm.o[g][j - 2]));
     }
 }
 
 // Grid (heads, rows), TP_ATTN_MERGE_THREADS threads: out[row, h] from the partials of the
-// splits 0 ..= pos[row] / TP_ATTN_SPLIT (the merge rule at the top of this file). Thread j
-// owns output element j; the weights e^(m_i - m) of up to TP_ATTN_MERGE_THREADS splits at a
+// parts that hold positions 0 ..= pos[row] (the merge rule at the top of this file). Thread j
+// owns output element j; the weights e^(m_i - m) of up to TP_ATTN_MERGE_THREADS parts at a
 // time are computed once into shared memory. Reads used * (d + 2) f32, writes d f32: small
-// next to the split kernel's K/V traffic (1 / (2 * 256 * size / 4) of it).
+// next to the split kernel's K/V traffic.
 extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_ATTN_MERGE_THREADS, 1) attn_merge(AttnParams p) { tp_pdl_wait();
     __shared__ float wt[TP_ATTN_MERGE_THREADS];
     __shared__ float red[TP_ATTN_MERGE_THREADS / TP_WAVE];
     const u32 h = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
     const u32 d = p.head_dim;
     const u64 stride = (u64)d + 2;
-    const u32 used = attn_pos(p, row) / TP_ATTN_SPLIT + 1;
-    const float* part = (const float*)p.ws + ((u64)row * p.heads + h) * p.splits * stride;
+    const u32 pos = attn_pos(p, row);
+    const u32 used = pos / attn_part_len(p, pos) + 1;
+    const float* part = (const float*)p.ws + ((u64)row * p.heads + h) * p.parts * stride;
     float m = attn_neg_inf();
     for (u32 i = tid; i < used; i += TP_ATTN_MERGE_THREADS) m = fmaxf(m, part[i * stride]);
     m = attn_wave_max(m);
@@ -437,7 +501,7 @@ extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_ATTN_MERGE_THREADS, 1) attn_merge
         for (u32 i = 0; i < cn; ++i) {
             const float* pi = part + (c0 + i) * stride;
             const float w = wt[i];
-            l += w * pi[1];  // every thread sums l the same way, in split order
+            l += w * pi[1];  // every thread sums l the same way, in part order
             if (tid < d) o += w * pi[2 + tid];
         }
         __syncthreads();
@@ -445,54 +509,24 @@ extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_ATTN_MERGE_THREADS, 1) attn_merge
     if (tid < d) ((float*)p.out)[((u64)row * p.heads + h) * d + tid] = o / l;
 }
 
-// Grid (kv_heads * chunks, rows), TP_ATTN_THREADS threads, no workspace: one block walks every
-// split of its row, merging each split's partial into a running state (m, l, o) in shared
-// memory with the rule at the top of this file. Reads the same bytes as the split kernel, but
-// with rows * kv_heads * chunks blocks only: for prefill and tests, not for long decode.
+// Grid (kv_heads * chunks, rows), TP_ATTN_THREADS threads, no workspace: one block walks all
+// of its row's positions (attn_range). Reads the same bytes as the split kernel, but with
+// rows * kv_heads * chunks blocks only: for prefill and tests, not for long decode.
 template <class D, int G>
-TP_DEV void attn_single_kernel(const AttnParams& p, AttnSmem<G>& sm, float (*run_o)[TP_ATTN_DMAX], float* run_m,
-                               float* run_l, float* fa, float* fb) {
+TP_DEV void attn_single_kernel(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& run) {
     const AttnHeads hd = attn_heads(p);
     const u32 row = blockIdx.y, tid = threadIdx.x;
     const u32 pos = attn_pos(p, row);
     const u32 d = p.head_dim;
     attn_load_q<G>(p, sm, row, hd.h0, hd.gcount);
-    for (u32 i = tid; i < (u32)G * TP_ATTN_DMAX; i += TP_ATTN_THREADS) run_o[i / TP_ATTN_DMAX][i % TP_ATTN_DMAX] = 0.0f;
-    if (tid < (u32)G) {
-        run_m[tid] = attn_neg_inf();
-        run_l[tid] = 0.0f;
-    }
     __syncthreads();
     const u64 hoff = (u64)hd.kvh * d * D::SIZE;
-    const u8* kh = (const u8*)p.k + hoff;
-    const u8* vh = (const u8*)p.v + hoff;
-    for (u32 t0 = 0; t0 <= pos; t0 += TP_ATTN_SPLIT) {
-        const u32 left = pos + 1 - t0;
-        const u32 n = left < TP_ATTN_SPLIT ? left : TP_ATTN_SPLIT;
-        if (p.vec) {
-            attn_split<D, G, true>(p, sm, kh, vh, t0, n);
-        } else {
-            attn_split<D, G, false>(p, sm, kh, vh, t0, n);
-        }
-        // First split: run_m = -inf, so fa = e^-inf = 0 and the state becomes the split's.
-        if (tid < (u32)G) {
-            const float mn = fmaxf(run_m[tid], sm.m[tid]);
-            fa[tid] = expf(run_m[tid] - mn);
-            fb[tid] = expf(sm.m[tid] - mn);
-            run_l[tid] = fa[tid] * run_l[tid] + fb[tid] * sm.l[tid];
-            run_m[tid] = mn;
-        }
-        __syncthreads();
-        for (u32 i = tid; i < (u32)G * d; i += TP_ATTN_THREADS) {
-            const u32 g = i / d, j = i % d;
-            run_o[g][j] = fa[g] * run_o[g][j] + fb[g] * sm.o[g][j];
-        }
-        __syncthreads();
-    }
+    const bool in_run = attn_range<D, G>(p, sm, run, (const u8*)p.k + hoff, (const u8*)p.v + hoff, 0, pos + 1);
+    const float* l = in_run ? run.l : sm.l;
     float* out = (float*)p.out;
     for (u32 i = tid; i < hd.gcount * d; i += TP_ATTN_THREADS) {
         const u32 g = i / d, j = i % d;
-        out[((u64)row * p.heads + hd.h0 + g) * d + j] = run_o[g][j] / run_l[g];
+        out[((u64)row * p.heads + hd.h0 + g) * d + j] = (in_run ? run.o[g][j] : sm.o[g][j]) / l[g];
     }
 }
 
@@ -502,14 +536,14 @@ TP_DEV void attn_single_kernel(const AttnParams& p, AttnSmem<G>& sm, float (*run
 #define TP_ATTN_SPLIT_KERNEL(NAME, D, G)                                                       \
     extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_ATTN_THREADS, 2) NAME(AttnParams p) { tp_pdl_wait();       \
         __shared__ AttnSmem<G> sm;                                                             \
-        attn_split_kernel<D, G>(p, sm);                                                        \
+        __shared__ AttnRun<G> run;                                                             \
+        attn_split_kernel<D, G>(p, sm, run);                                                   \
     }
 #define TP_ATTN_SINGLE_KERNEL(NAME, D, G)                                                      \
     extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_ATTN_THREADS, 2) NAME(AttnParams p) { tp_pdl_wait();       \
         __shared__ AttnSmem<G> sm;                                                             \
-        __shared__ float run_o[G][TP_ATTN_DMAX];                                               \
-        __shared__ float run_m[G], run_l[G], fa[G], fb[G];                                     \
-        attn_single_kernel<D, G>(p, sm, run_o, run_m, run_l, fa, fb);                          \
+        __shared__ AttnRun<G> run;                                                             \
+        attn_single_kernel<D, G>(p, sm, run);                                                  \
     }
 
 TP_ATTN_SPLIT_KERNEL(attn_split_g1_f32, F32, 1)
