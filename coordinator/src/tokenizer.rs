@@ -23,9 +23,18 @@ impl Tokenizer {
                 path.display()
             ));
         }
-        let inner = tokenizers::Tokenizer::from_file(&path)
+        let json = std::fs::read(&path).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        Self::from_json(&path, &json)
+    }
+
+    /// Loads a tokenizer.json's contents (`path` names it in errors).
+    pub fn from_json(path: &Path, json: &[u8]) -> Result<Tokenizer> {
+        let inner = tokenizers::Tokenizer::from_bytes(json)
             .map_err(|e| anyhow!("{}: cannot load: {e}", path.display()))?;
-        Ok(Tokenizer { inner, path })
+        Ok(Tokenizer {
+            inner,
+            path: path.to_path_buf(),
+        })
     }
 
     fn err(&self, what: &str, e: tokenizers::Error) -> anyhow::Error {

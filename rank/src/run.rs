@@ -1,6 +1,7 @@
 //! A rank's life: join the job, build the device, set up the communicator, run the task,
 //! report. The library entry point for embedding a rank in another program is [`run`].
 
+use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -81,21 +82,9 @@ pub fn run(opts: RankOptions) -> Result<(), RankError> {
         },
         &[],
     )?;
-    let (msg, mut fds) = conn.recv(Some(JOIN_TIMEOUT))?;
-    let (world, plan) = match msg {
-        Msg::Welcome { world, job } => (world as usize, job::decode::<Plan>(&job)?),
-        Msg::Refused { reason } => {
-            return Err(RankError::Other(format!(
-                "the coordinator refused us: {reason}"
-            )))
-        }
-        other => return Err(RankError::Other(format!("expected Welcome, got {other:?}"))),
-    };
-    let cb_fd = fds
-        .pop()
-        .ok_or_else(|| RankError::Other("Welcome came without the control block".into()))?;
-    let control =
-        Arc::new(ControlBlock::open(cb_fd, world, &opts.token)?.with_phase_names(&Phase::NAMES));
+    let (msg, fds) = conn.recv(Some(JOIN_TIMEOUT))?;
+    let (world, plan, control) = admitted(msg, fds, &opts.token)?;
+    let control = Arc::new(control);
     control.set_pid(opts.rank, std::process::id());
     let spec = plan.job;
     let ctx = RankCtx {
@@ -126,6 +115,29 @@ pub fn run(opts: RankOptions) -> Result<(), RankError> {
         }
     }
     result
+}
+
+/// The rank's side of the handshake: the coordinator's answer to `Hello` (a frame and its
+/// descriptors) checked and opened into the world size, the plan and the job's control block.
+pub fn admitted(
+    msg: Msg,
+    mut fds: Vec<OwnedFd>,
+    token: &[u8; 16],
+) -> Result<(usize, Plan, ControlBlock), RankError> {
+    let (world, plan) = match msg {
+        Msg::Welcome { world, job } => (world as usize, job::decode::<Plan>(&job)?),
+        Msg::Refused { reason } => {
+            return Err(RankError::Other(format!(
+                "the coordinator refused us: {reason}"
+            )))
+        }
+        other => return Err(RankError::Other(format!("expected Welcome, got {other:?}"))),
+    };
+    let cb_fd = fds
+        .pop()
+        .ok_or_else(|| RankError::Other("Welcome came without the control block".into()))?;
+    let control = ControlBlock::open(cb_fd, world, token)?.with_phase_names(&Phase::NAMES);
+    Ok((world, plan, control))
 }
 
 /// Opens this rank's device with the job's settings and runs the task on it.
