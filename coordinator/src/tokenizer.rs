@@ -29,8 +29,14 @@ impl Tokenizer {
 
     /// Loads a tokenizer.json's contents (`path` names it in errors).
     pub fn from_json(path: &Path, json: &[u8]) -> Result<Tokenizer> {
-        let inner = tokenizers::Tokenizer::from_bytes(json)
-            .map_err(|e| anyhow!("{}: cannot load: {e}", path.display()))?;
+        let cannot = |why: String| anyhow!("{}: cannot load: {why}", path.display());
+        // Parsed into a value first: the tokenizers crate (0.22) panics instead of returning
+        // its error on a syntax error inside the "decoder" object (found by fuzzing).
+        let value: serde_json::Value =
+            serde_json::from_slice(json).map_err(|e| cannot(format!("not valid JSON: {e}")))?;
+        refuse_unchecked_parts(&value).map_err(cannot)?;
+        let inner = serde_json::from_value::<tokenizers::Tokenizer>(value)
+            .map_err(|e| cannot(e.to_string()))?;
         Ok(Tokenizer {
             inner,
             path: path.to_path_buf(),
@@ -57,6 +63,26 @@ impl Tokenizer {
             .decode(ids, true)
             .map_err(|e| self.err("decode", e))
     }
+}
+
+/// Refuses the parts of a tokenizer.json that the tokenizers crate reads without checking,
+/// and would panic on: a `Precompiled` normalizer (SentencePiece's character map, which no
+/// supported model's tokenizer uses) panics at load when its fields are missing, and indexes
+/// its trie unchecked at every encode.
+fn refuse_unchecked_parts(tokenizer: &serde_json::Value) -> Result<(), String> {
+    fn walk(v: &serde_json::Value) -> Result<(), String> {
+        match v {
+            serde_json::Value::Object(o) => {
+                if o.get("type").and_then(|t| t.as_str()) == Some("Precompiled") {
+                    return Err("normalizer type \"Precompiled\" is not supported".into());
+                }
+                o.values().try_for_each(walk)
+            }
+            serde_json::Value::Array(a) => a.iter().try_for_each(walk),
+            _ => Ok(()),
+        }
+    }
+    tokenizer.get("normalizer").map_or(Ok(()), walk)
 }
 
 /// Turns a growing list of generated ids into text pieces. Decodes the whole list each time
@@ -146,6 +172,25 @@ mod tests {
         std::fs::write(dir.join("tokenizer.json"), "{}").unwrap();
         let e = Tokenizer::from_dir(&dir).err().unwrap().to_string();
         assert!(e.contains("tokenizer.json"), "{e}");
+        // What the tokenizers crate panics on is refused first, with one line.
+        let good = tokenizer_json();
+        let mut broken = good.to_string();
+        let decoder = broken.find(r#""decoder":{"#).unwrap() + 11;
+        broken.insert_str(decoder, r#""x" 1,"#);
+        let mut precompiled = good.clone();
+        precompiled["normalizer"] = serde_json::json!({"type": "Sequence", "normalizers": [
+            {"type": "Precompiled", "precompiled_charsmap": "AAAA"}]});
+        for (json, what) in [
+            (broken, "not valid JSON"),
+            (precompiled.to_string(), "Precompiled"),
+        ] {
+            std::fs::write(dir.join("tokenizer.json"), json).unwrap();
+            let e = Tokenizer::from_dir(&dir).err().unwrap().to_string();
+            assert!(
+                e.contains("tokenizer.json: cannot load") && e.contains(what),
+                "{e}"
+            );
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
