@@ -65,24 +65,61 @@ impl Tokenizer {
     }
 }
 
-/// Refuses the parts of a tokenizer.json that the tokenizers crate reads without checking,
-/// and would panic on: a `Precompiled` normalizer (SentencePiece's character map, which no
-/// supported model's tokenizer uses) panics at load when its fields are missing, and indexes
-/// its trie unchecked at every encode.
+/// Refuses the parts of a tokenizer.json that the tokenizers crate (0.22) deserializes without
+/// the checks its builders make, and then panics on:
+/// - a `Precompiled` normalizer (SentencePiece's character map, which no supported model's
+///   tokenizer uses): a panic at load when its fields are missing, and its trie is indexed
+///   unchecked at every encode;
+/// - a `TemplateProcessing` post-processor whose template names a special token it does not
+///   define: a panic at every encode (found by fuzzing).
 fn refuse_unchecked_parts(tokenizer: &serde_json::Value) -> Result<(), String> {
-    fn walk(v: &serde_json::Value) -> Result<(), String> {
+    use serde_json::Value;
+    // Every object in `v` with `"type": kind`, however deeply nested (Sequence).
+    fn each<'a>(v: &'a Value, kind: &str, out: &mut Vec<&'a serde_json::Map<String, Value>>) {
         match v {
-            serde_json::Value::Object(o) => {
-                if o.get("type").and_then(|t| t.as_str()) == Some("Precompiled") {
-                    return Err("normalizer type \"Precompiled\" is not supported".into());
+            Value::Object(o) => {
+                if o.get("type").and_then(Value::as_str) == Some(kind) {
+                    out.push(o);
                 }
-                o.values().try_for_each(walk)
+                o.values().for_each(|c| each(c, kind, out));
             }
-            serde_json::Value::Array(a) => a.iter().try_for_each(walk),
-            _ => Ok(()),
+            Value::Array(a) => a.iter().for_each(|c| each(c, kind, out)),
+            _ => {}
         }
     }
-    tokenizer.get("normalizer").map_or(Ok(()), walk)
+    let mut found = Vec::new();
+    if let Some(n) = tokenizer.get("normalizer") {
+        each(n, "Precompiled", &mut found);
+    }
+    if !found.is_empty() {
+        return Err("normalizer type \"Precompiled\" is not supported".into());
+    }
+    let Some(post) = tokenizer.get("post_processor") else {
+        return Ok(());
+    };
+    each(post, "TemplateProcessing", &mut found);
+    for t in found {
+        let Some(Value::Object(specials)) = t.get("special_tokens") else {
+            continue; // not a map: the crate refuses it itself
+        };
+        for template in ["single", "pair"] {
+            let pieces = t
+                .get(template)
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten();
+            for piece in pieces {
+                let id = piece.pointer("/SpecialToken/id").and_then(Value::as_str);
+                if let Some(id) = id.filter(|id| !specials.contains_key(*id)) {
+                    return Err(format!(
+                        "post_processor: the {template} template uses special token {id:?}, \
+                         which special_tokens does not define"
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Turns a growing list of generated ids into text pieces. Decodes the whole list each time
@@ -180,9 +217,15 @@ mod tests {
         let mut precompiled = good.clone();
         precompiled["normalizer"] = serde_json::json!({"type": "Sequence", "normalizers": [
             {"type": "Precompiled", "precompiled_charsmap": "AAAA"}]});
+        let mut undefined = good.clone();
+        undefined["post_processor"]["single"][0]["SpecialToken"]["id"] = "<|x|>".into();
         for (json, what) in [
             (broken, "not valid JSON"),
             (precompiled.to_string(), "Precompiled"),
+            (
+                undefined.to_string(),
+                "\"<|x|>\", which special_tokens does not define",
+            ),
         ] {
             std::fs::write(dir.join("tokenizer.json"), json).unwrap();
             let e = Tokenizer::from_dir(&dir).err().unwrap().to_string();
