@@ -148,6 +148,16 @@ pub fn parse(path: &Path, file: &[u8]) -> Result<HashMap<String, TensorInfo>, Mo
         };
         let e: Entry =
             serde_json::from_value(v).map_err(|e| tbad(format!("corrupted header entry: {e}")))?;
+        // Slicing multiplies the dimensions after the first; with a zero among the others
+        // their product is never formed by the crate's check (0 · 2^33 · 2^33 is 0).
+        if e.shape
+            .iter()
+            .filter(|&&d| d != 0)
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .is_none()
+        {
+            return Err(tbad(format!("shape {:?} overflows", e.shape)));
+        }
         let (start, end) = e.data_offsets;
         if start.max(end) as u64 > data_len {
             return Err(tbad(format!(
@@ -847,6 +857,12 @@ mod tests {
         );
         let e = parse_err(
             r#"{"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,0]}}"#,
+            0,
+        );
+        assert!(e.contains("tensor `a`") && e.contains("overflows"), "{e}");
+        // No elements, but dimensions after the first that multiply past 2^64.
+        let e = parse_err(
+            r#"{"a":{"dtype":"F32","shape":[0,8589934592,8589934592],"data_offsets":[0,0]}}"#,
             0,
         );
         assert!(e.contains("tensor `a`") && e.contains("overflows"), "{e}");
