@@ -71,11 +71,14 @@ impl Tokenizer {
 ///   tokenizer uses): a panic at load when its fields are missing, and its trie is indexed
 ///   unchecked at every encode;
 /// - a `TemplateProcessing` post-processor whose template names a special token it does not
-///   define: a panic at every encode (found by fuzzing).
+///   define: a panic at every encode (found by fuzzing);
+/// - a `Strip` decoder with `stop` > 0: it indexes back from each token's end without
+///   checking the token's length, so an empty or short token panics at decode (found by
+///   fuzzing). Llama's and Mistral's tokenizers strip at the start only (`stop` 0).
 fn refuse_unchecked_parts(tokenizer: &serde_json::Value) -> Result<(), String> {
-    use serde_json::Value;
+    use serde_json::{Map, Value};
     // Every object in `v` with `"type": kind`, however deeply nested (Sequence).
-    fn each<'a>(v: &'a Value, kind: &str, out: &mut Vec<&'a serde_json::Map<String, Value>>) {
+    fn each<'a>(v: &'a Value, kind: &str, out: &mut Vec<&'a Map<String, Value>>) {
         match v {
             Value::Object(o) => {
                 if o.get("type").and_then(Value::as_str) == Some(kind) {
@@ -87,18 +90,27 @@ fn refuse_unchecked_parts(tokenizer: &serde_json::Value) -> Result<(), String> {
             _ => {}
         }
     }
-    let mut found = Vec::new();
-    if let Some(n) = tokenizer.get("normalizer") {
-        each(n, "Precompiled", &mut found);
-    }
-    if !found.is_empty() {
+    // The objects of type `kind` in the tokenizer's `part`.
+    let parts = |part: &str, kind: &str| {
+        let mut out = Vec::new();
+        if let Some(v) = tokenizer.get(part) {
+            each(v, kind, &mut out);
+        }
+        out
+    };
+    if !parts("normalizer", "Precompiled").is_empty() {
         return Err("normalizer type \"Precompiled\" is not supported".into());
     }
-    let Some(post) = tokenizer.get("post_processor") else {
-        return Ok(());
-    };
-    each(post, "TemplateProcessing", &mut found);
-    for t in found {
+    for strip in parts("decoder", "Strip") {
+        if strip
+            .get("stop")
+            .and_then(Value::as_u64)
+            .is_some_and(|n| n > 0)
+        {
+            return Err("decoder: a Strip decoder with \"stop\" > 0 is not supported".into());
+        }
+    }
+    for t in parts("post_processor", "TemplateProcessing") {
         let Some(Value::Object(specials)) = t.get("special_tokens") else {
             continue; // not a map: the crate refuses it itself
         };
@@ -219,6 +231,9 @@ mod tests {
             {"type": "Precompiled", "precompiled_charsmap": "AAAA"}]});
         let mut undefined = good.clone();
         undefined["post_processor"]["single"][0]["SpecialToken"]["id"] = "<|x|>".into();
+        let mut strip = good.clone();
+        strip["decoder"] = serde_json::json!({"type": "Sequence", "decoders": [
+            {"type": "Strip", "content": " ", "start": 1, "stop": 1}]});
         for (json, what) in [
             (broken, "not valid JSON"),
             (precompiled.to_string(), "Precompiled"),
@@ -226,6 +241,7 @@ mod tests {
                 undefined.to_string(),
                 "\"<|x|>\", which special_tokens does not define",
             ),
+            (strip.to_string(), "Strip decoder"),
         ] {
             std::fs::write(dir.join("tokenizer.json"), json).unwrap();
             let e = Tokenizer::from_dir(&dir).err().unwrap().to_string();
