@@ -66,7 +66,9 @@ impl Tokenizer {
 }
 
 /// Refuses the parts of a tokenizer.json that the tokenizers crate (0.22) deserializes without
-/// the checks its builders make, and then panics on:
+/// the checks its builders make, and then panics on. Parts are recognised by their fields, not
+/// by their `"type"`: the crate's untagged enums take an object of the right shape whatever
+/// its type says (found by fuzzing).
 /// - a `Precompiled` normalizer (SentencePiece's character map, which no supported model's
 ///   tokenizer uses): a panic at load when its fields are missing, and its trie is indexed
 ///   unchecked at every encode;
@@ -77,45 +79,45 @@ impl Tokenizer {
 ///   fuzzing). Llama's and Mistral's tokenizers strip at the start only (`stop` 0).
 fn refuse_unchecked_parts(tokenizer: &serde_json::Value) -> Result<(), String> {
     use serde_json::{Map, Value};
-    // Every object in `v` with `"type": kind`, however deeply nested (Sequence).
-    fn each<'a>(v: &'a Value, kind: &str, out: &mut Vec<&'a Map<String, Value>>) {
+    type Object = Map<String, Value>;
+    // Every object in `v` for which `check` fails, however deeply nested (Sequence).
+    fn each(v: &Value, check: &dyn Fn(&Object) -> Result<(), String>) -> Result<(), String> {
         match v {
             Value::Object(o) => {
-                if o.get("type").and_then(Value::as_str) == Some(kind) {
-                    out.push(o);
-                }
-                o.values().for_each(|c| each(c, kind, out));
+                check(o)?;
+                o.values().try_for_each(|c| each(c, check))
             }
-            Value::Array(a) => a.iter().for_each(|c| each(c, kind, out)),
-            _ => {}
+            Value::Array(a) => a.iter().try_for_each(|c| each(c, check)),
+            _ => Ok(()),
         }
     }
-    // The objects of type `kind` in the tokenizer's `part`.
-    let parts = |part: &str, kind: &str| {
-        let mut out = Vec::new();
-        if let Some(v) = tokenizer.get(part) {
-            each(v, kind, &mut out);
-        }
-        out
+    let part = |name: &str, check: &dyn Fn(&Object) -> Result<(), String>| {
+        tokenizer.get(name).map_or(Ok(()), |v| each(v, check))
     };
-    if !parts("normalizer", "Precompiled").is_empty() {
-        return Err("normalizer type \"Precompiled\" is not supported".into());
-    }
-    for strip in parts("decoder", "Strip") {
-        if strip
-            .get("stop")
-            .and_then(Value::as_u64)
-            .is_some_and(|n| n > 0)
-        {
-            return Err("decoder: a Strip decoder with \"stop\" > 0 is not supported".into());
+    part("normalizer", &|o| {
+        let precompiled = o.get("type").and_then(Value::as_str) == Some("Precompiled")
+            || o.contains_key("precompiled_charsmap");
+        match precompiled {
+            true => Err("normalizer type \"Precompiled\" is not supported".into()),
+            false => Ok(()),
         }
-    }
-    for t in parts("post_processor", "TemplateProcessing") {
-        let Some(Value::Object(specials)) = t.get("special_tokens") else {
-            continue; // not a map: the crate refuses it itself
+    })?;
+    // `stop` is Strip's field alone among the decoders.
+    part(
+        "decoder",
+        &|o| match o.get("stop").and_then(Value::as_u64) {
+            Some(n) if n > 0 => {
+                Err("decoder: a Strip decoder with \"stop\" > 0 is not supported".into())
+            }
+            _ => Ok(()),
+        },
+    )?;
+    part("post_processor", &|o| {
+        let Some(Value::Object(specials)) = o.get("special_tokens") else {
+            return Ok(());
         };
         for template in ["single", "pair"] {
-            let pieces = t
+            let pieces = o
                 .get(template)
                 .and_then(Value::as_array)
                 .into_iter()
@@ -130,8 +132,8 @@ fn refuse_unchecked_parts(tokenizer: &serde_json::Value) -> Result<(), String> {
                 }
             }
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// Turns a growing list of generated ids into text pieces. Decodes the whole list each time
@@ -231,6 +233,8 @@ mod tests {
             {"type": "Precompiled", "precompiled_charsmap": "AAAA"}]});
         let mut undefined = good.clone();
         undefined["post_processor"]["single"][0]["SpecialToken"]["id"] = "<|x|>".into();
+        // The crate takes a template of the right shape whatever its type says.
+        undefined["post_processor"]["type"] = "Te_plateProcessing".into();
         let mut strip = good.clone();
         strip["decoder"] = serde_json::json!({"type": "Sequence", "decoders": [
             {"type": "Strip", "content": " ", "start": 1, "stop": 1}]});
