@@ -3,12 +3,12 @@
 //! memory; ranks (re-executions of this binary as `tprun rank`) do.
 
 mod bench;
-mod cli;
 mod decode;
 mod info;
 mod launch;
-mod sizes;
-mod tokenizer;
+
+// The parsers live in the library target, where the fuzz targets reach them.
+use tprun::{cli, tokenizer};
 
 use std::process::ExitCode;
 use std::time::Duration;

@@ -23,16 +23,21 @@ impl Tokenizer {
                 path.display()
             ));
         }
-        let inner = tokenizers::Tokenizer::from_file(&path)
-            .map_err(|e| anyhow!("{}: cannot load: {e}", path.display()))?;
-        Ok(Tokenizer { inner, path })
+        let json = std::fs::read(&path).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        Self::from_json(&path.display().to_string(), &json)
     }
 
-    /// A tokenizer from `tokenizer.json`'s contents, called `name` in messages (the embedded
-    /// default model's, which has no file).
+    /// A tokenizer from `tokenizer.json`'s contents, called `name` in messages (the file's
+    /// path, or the embedded default model's name, which has no file).
     pub fn from_json(name: &str, json: &[u8]) -> Result<Tokenizer> {
-        let inner = tokenizers::Tokenizer::from_bytes(json)
-            .map_err(|e| anyhow!("{name}: cannot load: {e}"))?;
+        let cannot = |why: String| anyhow!("{name}: cannot load: {why}");
+        // Parsed into a value first: the tokenizers crate (0.22) panics instead of returning
+        // its error on a syntax error inside the "decoder" object (found by fuzzing).
+        let value: serde_json::Value =
+            serde_json::from_slice(json).map_err(|e| cannot(format!("not valid JSON: {e}")))?;
+        refuse_unchecked_parts(&value).map_err(cannot)?;
+        let inner = serde_json::from_value::<tokenizers::Tokenizer>(value)
+            .map_err(|e| cannot(e.to_string()))?;
         Ok(Tokenizer {
             inner,
             path: PathBuf::from(name),
@@ -59,6 +64,77 @@ impl Tokenizer {
             .decode(ids, true)
             .map_err(|e| self.err("decode", e))
     }
+}
+
+/// Refuses the parts of a tokenizer.json that the tokenizers crate (0.22) deserializes without
+/// the checks its builders make, and then panics on. Parts are recognised by their fields, not
+/// by their `"type"`: the crate's untagged enums take an object of the right shape whatever
+/// its type says (found by fuzzing).
+/// - a `Precompiled` normalizer (SentencePiece's character map, which no supported model's
+///   tokenizer uses): a panic at load when its fields are missing, and its trie is indexed
+///   unchecked at every encode;
+/// - a `TemplateProcessing` post-processor whose template names a special token it does not
+///   define: a panic at every encode (found by fuzzing);
+/// - a `Strip` decoder with `stop` > 0: it indexes back from each token's end without
+///   checking the token's length, so an empty or short token panics at decode (found by
+///   fuzzing). Llama's and Mistral's tokenizers strip at the start only (`stop` 0).
+fn refuse_unchecked_parts(tokenizer: &serde_json::Value) -> Result<(), String> {
+    use serde_json::{Map, Value};
+    type Object = Map<String, Value>;
+    // Every object in `v` for which `check` fails, however deeply nested (Sequence).
+    fn each(v: &Value, check: &dyn Fn(&Object) -> Result<(), String>) -> Result<(), String> {
+        match v {
+            Value::Object(o) => {
+                check(o)?;
+                o.values().try_for_each(|c| each(c, check))
+            }
+            Value::Array(a) => a.iter().try_for_each(|c| each(c, check)),
+            _ => Ok(()),
+        }
+    }
+    let part = |name: &str, check: &dyn Fn(&Object) -> Result<(), String>| {
+        tokenizer.get(name).map_or(Ok(()), |v| each(v, check))
+    };
+    part("normalizer", &|o| {
+        let precompiled = o.get("type").and_then(Value::as_str) == Some("Precompiled")
+            || o.contains_key("precompiled_charsmap");
+        match precompiled {
+            true => Err("normalizer type \"Precompiled\" is not supported".into()),
+            false => Ok(()),
+        }
+    })?;
+    // `stop` is Strip's field alone among the decoders.
+    part(
+        "decoder",
+        &|o| match o.get("stop").and_then(Value::as_u64) {
+            Some(n) if n > 0 => {
+                Err("decoder: a Strip decoder with \"stop\" > 0 is not supported".into())
+            }
+            _ => Ok(()),
+        },
+    )?;
+    part("post_processor", &|o| {
+        let Some(Value::Object(specials)) = o.get("special_tokens") else {
+            return Ok(());
+        };
+        for template in ["single", "pair"] {
+            let pieces = o
+                .get(template)
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten();
+            for piece in pieces {
+                let id = piece.pointer("/SpecialToken/id").and_then(Value::as_str);
+                if let Some(id) = id.filter(|id| !specials.contains_key(*id)) {
+                    return Err(format!(
+                        "post_processor: the {template} template uses special token {id:?}, \
+                         which special_tokens does not define"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    })
 }
 
 /// Turns a growing list of generated ids into text pieces, each token's work bounded by a
@@ -211,6 +287,37 @@ mod tests {
         std::fs::write(dir.join("tokenizer.json"), "{}").unwrap();
         let e = Tokenizer::from_dir(&dir).err().unwrap().to_string();
         assert!(e.contains("tokenizer.json"), "{e}");
+        // What the tokenizers crate panics on is refused first, with one line.
+        let good = tokenizer_json(512);
+        let mut broken = good.to_string();
+        let decoder = broken.find(r#""decoder":{"#).unwrap() + 11;
+        broken.insert_str(decoder, r#""x" 1,"#);
+        let mut precompiled = good.clone();
+        precompiled["normalizer"] = serde_json::json!({"type": "Sequence", "normalizers": [
+            {"type": "Precompiled", "precompiled_charsmap": "AAAA"}]});
+        let mut undefined = good.clone();
+        undefined["post_processor"]["single"][0]["SpecialToken"]["id"] = "<|x|>".into();
+        // The crate takes a template of the right shape whatever its type says.
+        undefined["post_processor"]["type"] = "Te_plateProcessing".into();
+        let mut strip = good.clone();
+        strip["decoder"] = serde_json::json!({"type": "Sequence", "decoders": [
+            {"type": "Strip", "content": " ", "start": 1, "stop": 1}]});
+        for (json, what) in [
+            (broken, "not valid JSON"),
+            (precompiled.to_string(), "Precompiled"),
+            (
+                undefined.to_string(),
+                "\"<|x|>\", which special_tokens does not define",
+            ),
+            (strip.to_string(), "Strip decoder"),
+        ] {
+            std::fs::write(dir.join("tokenizer.json"), json).unwrap();
+            let e = Tokenizer::from_dir(&dir).err().unwrap().to_string();
+            assert!(
+                e.contains("tokenizer.json: cannot load") && e.contains(what),
+                "{e}"
+            );
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

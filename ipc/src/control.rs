@@ -153,6 +153,13 @@ impl ControlBlock {
 
     /// Maps a block received from the coordinator and checks that it belongs to this job.
     pub fn open(fd: OwnedFd, world: usize, token: &[u8; 16]) -> Result<ControlBlock> {
+        // The world comes from the coordinator's Welcome; every slot index below it must be one
+        // of the block's MAX_RANKS slots, whatever a forged header agrees to.
+        if world == 0 || world > MAX_RANKS {
+            return Err(IpcError::Protocol(format!(
+                "world size {world} is outside 1..={MAX_RANKS}"
+            )));
+        }
         let size = nix::sys::stat::fstat(fd.as_fd())
             .map_err(|e| IpcError::os("fstat of the control block", e))?
             .st_size as usize;
@@ -484,6 +491,21 @@ mod tests {
         assert!(ControlBlock::open(fd, 2, &[2; 16]).is_err());
         let fd = cb.fd().as_fd().try_clone_to_owned().unwrap();
         assert!(ControlBlock::open(fd, 3, &[1; 16]).is_err());
+        // A forged header that agrees with a world beyond the slots is refused all the same.
+        let token = [4u8; 16];
+        let mut header = MAGIC.to_le_bytes().to_vec();
+        header.extend_from_slice(&LAYOUT_VERSION.to_le_bytes());
+        header.extend_from_slice(&(MAX_RANKS as u32 + 1).to_le_bytes());
+        header.extend_from_slice(&token_hash(&token).to_le_bytes());
+        let fd =
+            nix::sys::memfd::memfd_create(c"forged", nix::sys::memfd::MFdFlags::empty()).unwrap();
+        let mut f = std::fs::File::from(fd);
+        std::io::Write::write_all(&mut f, &header).unwrap();
+        f.set_len(size_of::<Shared>() as u64).unwrap();
+        match ControlBlock::open(f.into(), MAX_RANKS + 1, &token) {
+            Err(IpcError::Protocol(m)) => assert!(m.contains("world size 65"), "{m}"),
+            other => panic!("{:?}", other.map(|c| c.world())),
+        }
     }
 
     #[test]

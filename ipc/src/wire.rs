@@ -208,12 +208,7 @@ impl Conn {
 
     /// Sends one frame with `fds` attached.
     pub fn send(&self, msg: &Msg, fds: &[BorrowedFd<'_>]) -> Result<()> {
-        let mut frame = Vec::with_capacity(256);
-        frame.extend_from_slice(&MAGIC);
-        frame.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
-        let frame = postcard::to_extend(msg, frame)
-            .map_err(|e| IpcError::Protocol(format!("encoding {msg:?}: {e}")))?;
-        self.send_raw(&frame, fds)
+        self.send_raw(&encode(msg)?, fds)
     }
 
     /// Sends raw bytes as one frame (tests use it to play a misbehaving client).
@@ -299,6 +294,15 @@ impl Conn {
         }
         Ok((decode(&buf[..len])?, fds))
     }
+}
+
+/// One frame: the magic, the version, then `msg`.
+pub fn encode(msg: &Msg) -> Result<Vec<u8>> {
+    let mut frame = Vec::with_capacity(256);
+    frame.extend_from_slice(&MAGIC);
+    frame.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    postcard::to_extend(msg, frame)
+        .map_err(|e| IpcError::Protocol(format!("encoding {msg:?}: {e}")))
 }
 
 /// Checks the magic and version, then decodes the payload.

@@ -12,6 +12,8 @@ pub mod comm;
 pub mod decode;
 pub mod error;
 pub mod fault;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod job;
 pub mod model;
 pub mod phase;

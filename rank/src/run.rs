@@ -1,6 +1,7 @@
 //! A rank's life: join the job, build the device, set up the communicator, run the task,
 //! report. The library entry point for embedding a rank in another program is [`run`].
 
+use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -112,24 +113,38 @@ pub fn run(opts: RankOptions) -> Result<(), RankError> {
 /// nothing of ours.
 fn join(opts: &RankOptions) -> Result<(Conn, usize, Plan, Arc<ControlBlock>), RankError> {
     let at = opts.socket.display();
-    let rank = opts.rank;
-    let fail = |what: String| RankError::Join(format!("rank {rank} could not join: {what}"));
+    let fail = join_error(opts.rank);
     // The error names the address ("connecting to ...: Connection refused").
     let conn = Conn::connect(&opts.socket).map_err(|e| fail(e.to_string()))?;
     conn.send(
         &Msg::Hello {
             token: opts.token,
-            rank: rank as u32,
+            rank: opts.rank as u32,
             pid: std::process::id(),
         },
         &[],
     )
     .map_err(|e| fail(format!("sending Hello to {at}: {e}")))?;
-    let (msg, mut fds) = conn.recv(Some(JOIN_TIMEOUT)).map_err(|e| {
+    let (msg, fds) = conn.recv(Some(JOIN_TIMEOUT)).map_err(|e| {
         fail(format!(
             "waiting for the answer of the coordinator at {at}: {e}"
         ))
     })?;
+    let (world, plan, control) = admitted(msg, fds, opts)?;
+    Ok((conn, world, plan, Arc::new(control)))
+}
+
+/// The rank's side of the handshake: the coordinator's answer to `Hello` (a frame and its
+/// descriptors) checked and opened into the world size, the plan and the job's control block.
+/// Separate from [`join`]'s socket work so that the fuzz target can feed it any frame; every
+/// failure is a [`RankError::Join`] naming `opts.socket`, as in [`join`].
+pub fn admitted(
+    msg: Msg,
+    mut fds: Vec<OwnedFd>,
+    opts: &RankOptions,
+) -> Result<(usize, Plan, ControlBlock), RankError> {
+    let at = opts.socket.display();
+    let fail = join_error(opts.rank);
     let (world, plan) = match msg {
         Msg::Welcome { world, job } => (
             world as usize,
@@ -150,7 +165,12 @@ fn join(opts: &RankOptions) -> Result<(Conn, usize, Plan, Arc<ControlBlock>), Ra
     let control = ControlBlock::open(cb_fd, world, &opts.token)
         .map_err(|e| fail(format!("the control block from {at}: {e}")))?
         .with_phase_names(&Phase::NAMES);
-    Ok((conn, world, plan, Arc::new(control)))
+    Ok((world, plan, control))
+}
+
+/// The [`RankError::Join`] of rank `rank`, from what went wrong.
+fn join_error(rank: usize) -> impl Fn(String) -> RankError {
+    move |what| RankError::Join(format!("rank {rank} could not join: {what}"))
 }
 
 /// Opens this rank's device with the job's settings and runs the task on it.

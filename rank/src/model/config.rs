@@ -221,9 +221,9 @@ impl Fields<'_> {
     }
 }
 
-fn read_json(path: &Path) -> Result<Map<String, Value>, ModelError> {
-    let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
-    match serde_json::from_str::<Value>(&text) {
+/// `text` (of the file `path`) as a JSON object.
+fn json_object(path: &Path, text: &str) -> Result<Map<String, Value>, ModelError> {
+    match serde_json::from_str::<Value>(text) {
         Ok(Value::Object(m)) => Ok(m),
         Ok(_) => Err(ModelError::Config {
             file: path.into(),
@@ -241,14 +241,31 @@ fn read_json(path: &Path) -> Result<Map<String, Value>, ModelError> {
 impl ModelConfig {
     /// Reads `dir/config.json` and, when present, `dir/generation_config.json`.
     pub fn from_dir(dir: &Path) -> Result<ModelConfig, ModelError> {
+        let read = |p: &Path| std::fs::read_to_string(p).map_err(|e| ModelError::io(p, e));
         let path = dir.join("config.json");
-        let obj = read_json(&path)?;
-        let mut cfg = Self::parse(&path, &obj)?;
+        let text = read(&path)?;
         let gen_path = dir.join("generation_config.json");
-        if gen_path.exists() {
-            let gen = read_json(&gen_path)?;
+        let gen = match gen_path.exists() {
+            true => Some(read(&gen_path)?),
+            false => None,
+        };
+        Self::from_texts(
+            (&path, &text),
+            gen.as_deref().map(|g| (gen_path.as_path(), g)),
+        )
+    }
+
+    /// Parses the texts of a config.json and, when there is one, a generation_config.json
+    /// (each with its path, for errors): what [`ModelConfig::from_dir`] reads.
+    pub fn from_texts(
+        config: (&Path, &str),
+        generation: Option<(&Path, &str)>,
+    ) -> Result<ModelConfig, ModelError> {
+        let mut cfg = Self::parse(config.0, &json_object(config.0, config.1)?)?;
+        if let Some((gen_path, text)) = generation {
+            let gen = json_object(gen_path, text)?;
             let f = Fields {
-                file: &gen_path,
+                file: gen_path,
                 obj: &gen,
             };
             if let Some(eos) = f.ids("eos_token_id")? {

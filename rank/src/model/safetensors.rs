@@ -1,24 +1,30 @@
 //! Reading a rank's slices of a Hugging Face checkpoint: `model.safetensors`, or the shards
-//! named by `model.safetensors.index.json`, memory-mapped and parsed here (the format is an
-//! 8-byte little-endian header length, a JSON header, then the tensors' bytes).
+//! named by `model.safetensors.index.json`, memory-mapped. The `safetensors` crate (the
+//! format's reference implementation) parses and validates each header: dtype names, byte
+//! counts against shapes, and data offsets that tile the data section in order, with no
+//! overlap and no gap. What tprun adds on top: the bound of every range against the file (before
+//! the crate sums offsets, see [`parse`]), errors that name the file and the tensor, the
+//! sharded index, the per-rank slicing and the dtype conversion.
 //!
 //! Only the bytes of this rank's slice are touched (a row range is one contiguous run; a
 //! column range is one run per row), so a rank of an 8-way job reads about an eighth of the
-//! checkpoint from the page cache. Every failure names the file and, where there is one, the
-//! tensor.
+//! checkpoint from the page cache.
 
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
+use safetensors::tensor::{Metadata, SafeTensorError, TensorInfo as Entry};
+use safetensors::Dtype;
 use serde_json::Value;
 use tprun_kernels::dtype::{decode, encode};
 use tprun_kernels::DType;
 
 use super::ModelError;
 
-/// Largest JSON header accepted (the format's own reference reader caps it at 100 MB).
+/// Largest JSON header accepted: the `safetensors` crate's own limit (`MAX_HEADER_SIZE`,
+/// 100 MB), so that what it would refuse we refuse first, with the file's name.
 const MAX_HEADER: u64 = 100_000_000;
 /// Bytes of converted data handed to the sink at a time: bounds the host staging memory.
 const CHUNK_BYTES: usize = 8 << 20;
@@ -32,10 +38,23 @@ pub type TensorSource<'a> =
 /// Where one tensor lives in its file.
 #[derive(Clone, Debug)]
 pub struct TensorInfo {
-    pub dtype: DType,
+    /// The element type the file stores; tprun reads F32, F16 and BF16 ([`TensorInfo::dtype`]).
+    pub stored: Dtype,
     pub shape: Vec<usize>,
     /// Absolute byte range in the file.
     range: Range<usize>,
+}
+
+impl TensorInfo {
+    /// The stored element type as tprun's, if tprun can read it.
+    pub fn dtype(&self) -> Option<DType> {
+        match self.stored {
+            Dtype::F32 => Some(DType::F32),
+            Dtype::F16 => Some(DType::F16),
+            Dtype::BF16 => Some(DType::BF16),
+            _ => None,
+        }
+    }
 }
 
 /// One mapped safetensors file and its parsed header.
@@ -64,7 +83,8 @@ impl SafeFile {
         // rewrites the file while it is mapped. Checkpoints are read-only inputs; we map them
         // read-only and copy each slice out once, at load time (memmap2's documented caveat).
         let map = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(path, e))?;
-        let tensors = parse_header(path, &map)?;
+        // Parsing reads the header's pages only; the tensors' pages are touched by `read`.
+        let tensors = parse(path, &map)?;
         Ok(SafeFile {
             path: path.to_path_buf(),
             map,
@@ -81,33 +101,44 @@ impl SafeFile {
     }
 }
 
-fn parse_header(path: &Path, map: &[u8]) -> Result<HashMap<String, TensorInfo>, ModelError> {
+/// Parses and validates the header of `file`, a whole safetensors file (`path` names it in
+/// errors). Reads only the first `8 + header length` bytes of `file`, and the length.
+///
+/// The layout is an 8-byte little-endian header length, a JSON header, then the data section,
+/// which the tensors' `data_offsets` (relative to it) must tile exactly. The crate checks the
+/// entries ([`Metadata::new`]); two checks come first here, both where the value enters: the
+/// header length against the file, and every offset against the data section's length. The
+/// second keeps the crate's own whole-file entry point (`SafeTensors::read_metadata`) out of
+/// it: that one adds the last offset to the header length unchecked, which overflows on
+/// offsets near 2^64 (a panic where overflow checks are on).
+pub fn parse(path: &Path, file: &[u8]) -> Result<HashMap<String, TensorInfo>, ModelError> {
     let bad = |why: String| ModelError::Header {
         file: path.to_path_buf(),
         why,
     };
-    if map.len() < 8 {
+    let Some(len_bytes) = file.first_chunk::<8>() else {
         return Err(bad(format!(
             "truncated: {} bytes, shorter than the 8-byte header length",
-            map.len()
+            file.len()
         )));
-    }
-    let n = u64::from_le_bytes(map[..8].try_into().expect("8 bytes"));
-    if n > MAX_HEADER || 8 + n > map.len() as u64 {
+    };
+    let n = u64::from_le_bytes(*len_bytes);
+    let data_len = (file.len() as u64 - 8).checked_sub(n);
+    let (Some(data_len), true) = (data_len, n <= MAX_HEADER) else {
         return Err(bad(format!(
             "corrupted or truncated header: it claims {n} bytes, the file has {}",
-            map.len()
+            file.len()
         )));
-    }
-    let base = 8 + n as usize;
-    let header: Value = serde_json::from_slice(&map[8..base])
-        .map_err(|e| bad(format!("corrupted header: not valid JSON ({e})")))?;
-    let Value::Object(entries) = header else {
-        return Err(bad("corrupted header: not a JSON object".into()));
     };
-    let mut out = HashMap::new();
-    for (name, e) in &entries {
+    let base = 8 + n as usize;
+    let header: HashMap<String, Value> = serde_json::from_slice(&file[8..base])
+        .map_err(|e| bad(format!("corrupted header: not a JSON object ({e})")))?;
+    let mut entries = Vec::with_capacity(header.len());
+    for (name, v) in header {
         if name == "__metadata__" {
+            // Free-form strings; the crate's type for them is the check.
+            serde_json::from_value::<HashMap<String, String>>(v)
+                .map_err(|e| bad(format!("corrupted header: __metadata__: {e}")))?;
             continue;
         }
         let tbad = |why: String| ModelError::Tensor {
@@ -115,65 +146,131 @@ fn parse_header(path: &Path, map: &[u8]) -> Result<HashMap<String, TensorInfo>, 
             tensor: name.clone(),
             why,
         };
-        let dtype_s = e
-            .get("dtype")
-            .and_then(Value::as_str)
-            .ok_or_else(|| tbad("header entry has no dtype".into()))?;
-        let dtype = match dtype_s {
-            "F32" => DType::F32,
-            "F16" => DType::F16,
-            "BF16" => DType::BF16,
-            other => {
-                return Err(tbad(format!(
-                    "dtype {other} is not supported (F32, F16, BF16)"
-                )))
-            }
-        };
-        let shape = e
-            .get("shape")
-            .and_then(Value::as_array)
-            .and_then(|a| {
-                a.iter()
-                    .map(|d| d.as_u64().map(|x| x as usize))
-                    .collect::<Option<Vec<_>>>()
-            })
-            .ok_or_else(|| tbad("header entry has no valid shape".into()))?;
-        let offs = e
-            .get("data_offsets")
-            .and_then(Value::as_array)
-            .and_then(|a| match a.as_slice() {
-                [s, t] => Some((s.as_u64()? as usize, t.as_u64()? as usize)),
-                _ => None,
-            })
-            .ok_or_else(|| tbad("header entry has no valid data_offsets".into()))?;
-        let numel = shape
+        let e: Entry =
+            serde_json::from_value(v).map_err(|e| tbad(format!("corrupted header entry: {e}")))?;
+        // Slicing multiplies the dimensions after the first; with a zero among the others
+        // their product is never formed by the crate's check (0 · 2^33 · 2^33 is 0).
+        if e.shape
             .iter()
+            .filter(|&&d| d != 0)
             .try_fold(1usize, |a, &d| a.checked_mul(d))
-            .ok_or_else(|| tbad(format!("shape {shape:?} overflows")))?;
-        if offs.1 < offs.0 || offs.1 - offs.0 != numel * dtype.size() {
+            .is_none()
+        {
+            return Err(tbad(format!("shape {:?} overflows", e.shape)));
+        }
+        let (start, end) = e.data_offsets;
+        if start.max(end) as u64 > data_len {
             return Err(tbad(format!(
-                "data_offsets {:?} do not hold {shape:?} {dtype}",
-                [offs.0, offs.1]
+                "truncated or out of bounds: data_offsets [{start}, {end}] run past the data \
+                 section's {data_len} bytes (the file has {})",
+                file.len()
             )));
         }
-        let range = base + offs.0..base + offs.1;
-        if range.end > map.len() {
-            return Err(tbad(format!(
-                "truncated file: the tensor ends at byte {}, the file has {}",
-                range.end,
-                map.len()
-            )));
-        }
-        out.insert(
-            name.clone(),
-            TensorInfo {
-                dtype,
-                shape,
-                range,
-            },
-        );
+        entries.push((name, e));
     }
-    Ok(out)
+    // The crate wants the entries in file order: the order of their ranges.
+    entries.sort_by_key(|(_, e)| e.data_offsets);
+    let metadata = Metadata::new(None, entries.clone()).map_err(|e| explain(path, &entries, e))?;
+    if metadata.data_len() as u64 != data_len {
+        let last = entries.last().map_or("(none)", |(n, _)| n.as_str());
+        return Err(bad(format!(
+            "the tensors end at byte {} of the data section, which has {data_len}: {} bytes \
+             after the last tensor `{last}` (a corrupted or appended-to file)",
+            metadata.data_len(),
+            data_len - metadata.data_len() as u64
+        )));
+    }
+    Ok(entries
+        .into_iter()
+        .map(|(name, e)| {
+            let (start, end) = e.data_offsets;
+            let info = TensorInfo {
+                stored: e.dtype,
+                shape: e.shape,
+                range: base + start..base + end,
+            };
+            (name, info)
+        })
+        .collect())
+}
+
+/// The crate's error for `entries` (sorted by range), with the tensor named and the ranges
+/// or sizes that disagree spelled out.
+fn explain(path: &Path, entries: &[(String, Entry)], e: SafeTensorError) -> ModelError {
+    let tensor = |name: &str, why: String| ModelError::Tensor {
+        file: path.to_path_buf(),
+        tensor: name.into(),
+        why,
+    };
+    let offs = |e: &Entry| format!("[{}, {}]", e.data_offsets.0, e.data_offsets.1);
+    match e {
+        SafeTensorError::InvalidOffset(name) => {
+            let Some(i) = entries.iter().position(|(n, _)| *n == name) else {
+                return tensor(&name, "invalid data_offsets".into());
+            };
+            let (s, t) = entries[i].1.data_offsets;
+            let why = if t < s {
+                "ends before it starts".to_string()
+            } else if i == 0 {
+                format!("leave a gap of {s} bytes at the start of the data section")
+            } else {
+                let (prev, p) = &entries[i - 1];
+                let rel = if s < p.data_offsets.1 {
+                    "overlap"
+                } else {
+                    "leave a gap after"
+                };
+                format!("{rel} tensor `{prev}`'s {}", offs(p))
+            };
+            tensor(
+                &name,
+                format!(
+                    "data_offsets {} {why} (ranges must tile the data section in order)",
+                    offs(&entries[i].1)
+                ),
+            )
+        }
+        SafeTensorError::TensorInvalidInfo
+        | SafeTensorError::ValidationOverflow
+        | SafeTensorError::MisalignedSlice => {
+            // The crate checks in this order and stops at the first; find that one.
+            let bits = |e: &Entry| {
+                e.shape
+                    .iter()
+                    .try_fold(1usize, |a, &d| a.checked_mul(d))
+                    .and_then(|n| n.checked_mul(e.dtype.bitsize()))
+            };
+            let culprit = entries.iter().find(|(_, e)| {
+                bits(e).is_none_or(|b| {
+                    !b.is_multiple_of(8) || b / 8 != e.data_offsets.1 - e.data_offsets.0
+                })
+            });
+            match culprit {
+                Some((name, en)) => tensor(
+                    name,
+                    match bits(en) {
+                        None => format!("shape {:?} of {} overflows", en.shape, en.dtype),
+                        Some(b) => format!(
+                            "data_offsets {} hold {} bytes, but shape {:?} of {} is {} bits",
+                            offs(en),
+                            en.data_offsets.1 - en.data_offsets.0,
+                            en.shape,
+                            en.dtype,
+                            b
+                        ),
+                    },
+                ),
+                None => ModelError::Header {
+                    file: path.to_path_buf(),
+                    why: format!("invalid header: {e}"),
+                },
+            }
+        }
+        other => ModelError::Header {
+            file: path.to_path_buf(),
+            why: format!("invalid header: {other}"),
+        },
+    }
 }
 
 /// A checkpoint directory's tensors, across one or more mapped files.
@@ -194,36 +291,11 @@ impl Checkpoint {
         if index_path.exists() {
             let text =
                 std::fs::read_to_string(&index_path).map_err(|e| ModelError::io(&index_path, e))?;
-            let v: Value = serde_json::from_str(&text).map_err(|e| ModelError::Config {
-                file: index_path.clone(),
-                field: "(syntax)".into(),
-                why: format!("not valid JSON: {e}"),
-            })?;
-            let wm = v
-                .get("weight_map")
-                .and_then(Value::as_object)
-                .ok_or_else(|| ModelError::Config {
-                    file: index_path.clone(),
-                    field: "weight_map".into(),
-                    why: "missing or not an object".into(),
-                })?;
-            for (t, f) in wm {
-                let f = f.as_str().ok_or_else(|| ModelError::Config {
-                    file: index_path.clone(),
-                    field: format!("weight_map.{t}"),
-                    why: "expected a file name".into(),
-                })?;
-                if f.contains('/') || f.contains("..") {
-                    return Err(ModelError::Config {
-                        file: index_path.clone(),
-                        field: format!("weight_map.{t}"),
-                        why: format!("{f:?} is not a file name in the model directory"),
-                    });
+            weight_map = parse_index(&index_path, &text)?;
+            for (_, f) in &weight_map {
+                if !names.contains(f) {
+                    names.push(f.clone());
                 }
-                if !names.iter().any(|n| n == f) {
-                    names.push(f.to_string());
-                }
-                weight_map.push((t.clone(), f.to_string()));
             }
         } else {
             names.push("model.safetensors".into());
@@ -299,58 +371,7 @@ impl Checkpoint {
         sink: &mut Sink<'_>,
     ) -> Result<(), ModelError> {
         let (f, t) = self.info(name)?;
-        let tbad = |why: String| ModelError::Tensor {
-            file: f.path.clone(),
-            tensor: name.into(),
-            why,
-        };
-        if t.shape != shape {
-            return Err(tbad(format!("shape {:?}, expected {shape:?}", t.shape)));
-        }
-        let data = &f.map[t.range.clone()];
-        let es = t.dtype.size();
-        let rows = shape.first().copied().unwrap_or(1);
-        let row_elems: usize = shape.iter().skip(1).product();
-        // The source runs to copy, as (first element, elements).
-        let runs: Vec<(usize, usize)> = match slice {
-            Slice::Full => vec![(0, rows * row_elems)],
-            Slice::Rows(r) if r.end <= rows => vec![(r.start * row_elems, r.len() * row_elems)],
-            Slice::Cols(c) if shape.len() == 2 && c.end <= row_elems => (0..rows)
-                .map(|i| (i * row_elems + c.start, c.len()))
-                .collect(),
-            _ => return Err(tbad(format!("cannot take {slice:?} of shape {shape:?}"))),
-        };
-        let mut out_off = 0;
-        // Gather runs into chunks of about CHUNK_BYTES source bytes, convert, hand over.
-        let mut pending: Vec<u8> = Vec::new();
-        let mut flush = |pending: &mut Vec<u8>, out_off: &mut usize| -> Result<(), ModelError> {
-            if pending.is_empty() {
-                return Ok(());
-            }
-            if t.dtype == dtype {
-                sink(*out_off, pending)?;
-                *out_off += pending.len();
-            } else {
-                let conv = encode(dtype, &decode(t.dtype, pending));
-                sink(*out_off, &conv)?;
-                *out_off += conv.len();
-            }
-            pending.clear();
-            Ok(())
-        };
-        for (start, len) in runs {
-            let mut s = start * es;
-            let end = (start + len) * es;
-            while s < end {
-                let take = (end - s).min(CHUNK_BYTES - pending.len());
-                pending.extend_from_slice(&data[s..s + take]);
-                s += take;
-                if pending.len() >= CHUNK_BYTES {
-                    flush(&mut pending, &mut out_off)?;
-                }
-            }
-        }
-        flush(&mut pending, &mut out_off)
+        read_slice(&f.path, &f.map, name, t, shape, slice, dtype, sink)
     }
 
     /// Reads a whole slice into host memory as f32 (for small tensors: norms, biases).
@@ -370,12 +391,138 @@ impl Checkpoint {
 
     /// The dtype the checkpoint stores `name` in.
     pub fn dtype_of(&self, name: &str) -> Result<DType, ModelError> {
-        Ok(self.info(name)?.1.dtype)
+        let (f, t) = self.info(name)?;
+        t.dtype().ok_or_else(|| unsupported(&f.path, name, t))
     }
 }
 
-/// Writes a safetensors file from `(name, dtype, shape)` entries, pulling each tensor's bytes
-/// from `data` in order, so that nothing larger than one chunk is held in memory.
+fn unsupported(file: &Path, name: &str, t: &TensorInfo) -> ModelError {
+    ModelError::Tensor {
+        file: file.to_path_buf(),
+        tensor: name.into(),
+        why: format!("dtype {} is not supported (F32, F16, BF16)", t.stored),
+    }
+}
+
+/// The `weight_map` of a `model.safetensors.index.json` (`path` names it in errors): (tensor,
+/// file) pairs, each file a plain name in the model's folder.
+pub fn parse_index(path: &Path, text: &str) -> Result<Vec<(String, String)>, ModelError> {
+    let err = |field: String, why: String| ModelError::Config {
+        file: path.to_path_buf(),
+        field,
+        why,
+    };
+    let v: Value = serde_json::from_str(text)
+        .map_err(|e| err("(syntax)".into(), format!("not valid JSON: {e}")))?;
+    let wm = v
+        .get("weight_map")
+        .and_then(Value::as_object)
+        .ok_or_else(|| err("weight_map".into(), "missing or not an object".into()))?;
+    let mut out = Vec::with_capacity(wm.len());
+    for (t, f) in wm {
+        let f = f
+            .as_str()
+            .ok_or_else(|| err(format!("weight_map.{t}"), "expected a file name".into()))?;
+        // A plain name: nothing that leaves the folder or names the folder itself.
+        if f.is_empty() || f.contains('/') || f.contains('\0') || f == "." || f.contains("..") {
+            return Err(err(
+                format!("weight_map.{t}"),
+                format!("{f:?} is not a file name in the model directory"),
+            ));
+        }
+        out.push((t.clone(), f.to_string()));
+    }
+    Ok(out)
+}
+
+/// Reads `slice` of tensor `name` (its header entry `t`) from `file`, the whole mapped file
+/// at `path`: see [`Checkpoint::read`].
+#[allow(clippy::too_many_arguments)]
+pub fn read_slice(
+    path: &Path,
+    file: &[u8],
+    name: &str,
+    t: &TensorInfo,
+    shape: &[usize],
+    slice: &Slice,
+    dtype: DType,
+    sink: &mut Sink<'_>,
+) -> Result<(), ModelError> {
+    let tbad = |why: String| ModelError::Tensor {
+        file: path.to_path_buf(),
+        tensor: name.into(),
+        why,
+    };
+    if t.shape != shape {
+        return Err(tbad(format!("shape {:?}, expected {shape:?}", t.shape)));
+    }
+    let stored = t.dtype().ok_or_else(|| unsupported(path, name, t))?;
+    let data = &file[t.range.clone()];
+    let es = stored.size();
+    let rows = shape.first().copied().unwrap_or(1);
+    let row_elems: usize = shape.iter().skip(1).product();
+    // The source runs to copy, as (first element, elements).
+    let runs: Vec<(usize, usize)> = match slice {
+        Slice::Full => vec![(0, rows * row_elems)],
+        Slice::Rows(r) if r.start <= r.end && r.end <= rows => {
+            vec![(r.start * row_elems, r.len() * row_elems)]
+        }
+        Slice::Cols(c) if shape.len() == 2 && c.start <= c.end && c.end <= row_elems => (0..rows)
+            .map(|i| (i * row_elems + c.start, c.len()))
+            .collect(),
+        _ => return Err(tbad(format!("cannot take {slice:?} of shape {shape:?}"))),
+    };
+    let mut out_off = 0;
+    // Gather runs into chunks of about CHUNK_BYTES source bytes, convert, hand over.
+    let mut pending: Vec<u8> = Vec::new();
+    let mut flush = |pending: &mut Vec<u8>, out_off: &mut usize| -> Result<(), ModelError> {
+        if pending.is_empty() {
+            return Ok(());
+        }
+        if stored == dtype {
+            sink(*out_off, pending)?;
+            *out_off += pending.len();
+        } else {
+            let conv = encode(dtype, &decode(stored, pending));
+            sink(*out_off, &conv)?;
+            *out_off += conv.len();
+        }
+        pending.clear();
+        Ok(())
+    };
+    for (start, len) in runs {
+        let mut s = start * es;
+        let end = (start + len) * es;
+        while s < end {
+            let take = (end - s).min(CHUNK_BYTES - pending.len());
+            pending.extend_from_slice(&data[s..s + take]);
+            s += take;
+            if pending.len() >= CHUNK_BYTES {
+                flush(&mut pending, &mut out_off)?;
+            }
+        }
+    }
+    flush(&mut pending, &mut out_off)
+}
+
+/// The crate's name of a tprun dtype.
+fn st_dtype(d: DType) -> Dtype {
+    match d {
+        DType::F32 => Dtype::F32,
+        DType::F16 => Dtype::F16,
+        DType::BF16 => Dtype::BF16,
+        DType::U32 => Dtype::U32,
+    }
+}
+
+/// Writes a safetensors file from `(name, dtype, shape)` entries, in that order, pulling each
+/// tensor's bytes from `data` in order, so that nothing larger than one chunk is held in
+/// memory.
+///
+/// The header is the crate's: its [`Metadata`] checks the entries and serializes them. The
+/// data is streamed here because the crate's writers (`serialize`, `serialize_to_file`) take
+/// each tensor as one in-memory buffer: a whole embedding table (2 GB of Qwen3-32B's in bf16)
+/// where `synth` holds one 1 MiB chunk.
 pub fn write(
     path: &Path,
     tensors: &[(String, DType, Vec<usize>)],
@@ -383,35 +530,45 @@ pub fn write(
 ) -> Result<(), ModelError> {
     use std::io::Write;
     let io = |e| ModelError::io(path, e);
-    let mut header = serde_json::Map::new();
-    header.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
+    let tbad = |name: &str, why: String| ModelError::Tensor {
+        file: path.into(),
+        tensor: name.into(),
+        why,
+    };
+    let mut entries = Vec::with_capacity(tensors.len());
+    let mut sizes = Vec::with_capacity(tensors.len());
     let mut off = 0usize;
     for (name, dtype, shape) in tensors {
-        let bytes = shape.iter().product::<usize>() * dtype.size();
-        let dt = match dtype {
-            DType::F32 => "F32",
-            DType::F16 => "F16",
-            DType::BF16 => "BF16",
-            DType::U32 => "U32",
+        let bytes = shape
+            .iter()
+            .try_fold(dtype.size(), |a, &d| a.checked_mul(d))
+            .ok_or_else(|| tbad(name, format!("shape {shape:?} overflows")))?;
+        if entries.iter().any(|(n, _)| n == name) {
+            return Err(tbad(name, "listed twice".into()));
+        }
+        let entry = Entry {
+            dtype: st_dtype(*dtype),
+            shape: shape.clone(),
+            data_offsets: (off, off + bytes),
         };
-        header.insert(
-            name.clone(),
-            serde_json::json!({"dtype": dt, "shape": shape, "data_offsets": [off, off + bytes]}),
-        );
+        entries.push((name.clone(), entry));
+        sizes.push(bytes);
         off += bytes;
     }
-    let mut h = serde_json::to_vec(&Value::Object(header)).expect("json");
-    // Pad with spaces to a multiple of 8 so that the data starts aligned (as the format's
-    // reference writer does).
-    while !h.len().is_multiple_of(8) {
-        h.push(b' ');
-    }
+    let format = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let metadata = Metadata::new(Some(format), entries).map_err(|e| ModelError::Header {
+        file: path.into(),
+        why: format!("cannot write this header: {e}"),
+    })?;
+    let mut h = serde_json::to_vec(&metadata).expect("a validated header serializes");
+    // Pad with spaces to a multiple of 8 so that the data starts aligned (as the crate's
+    // writer does).
+    h.resize(h.len().next_multiple_of(8), b' ');
     let f = std::fs::File::create(path).map_err(io)?;
     let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
     w.write_all(&(h.len() as u64).to_le_bytes()).map_err(io)?;
     w.write_all(&h).map_err(io)?;
-    for (i, (name, dtype, shape)) in tensors.iter().enumerate() {
-        let want = shape.iter().product::<usize>() * dtype.size();
+    for (i, ((name, _, _), &want)) in tensors.iter().zip(&sizes).enumerate() {
         let mut got = 0usize;
         data(i, &mut |b: &[u8]| {
             got += b.len();
@@ -419,11 +576,10 @@ pub fn write(
         })
         .map_err(io)?;
         if got != want {
-            return Err(ModelError::Tensor {
-                file: path.into(),
-                tensor: name.clone(),
-                why: format!("writer produced {got} bytes, expected {want}"),
-            });
+            return Err(tbad(
+                name,
+                format!("writer produced {got} bytes, expected {want}"),
+            ));
         }
     }
     w.flush().map_err(io)?;
@@ -574,14 +730,182 @@ mod tests {
             .to_string();
         assert!(e.contains("`x`") && e.contains("missing"), "{e}");
 
-        // Unsupported dtype.
-        let hdr = br#"{"w":{"dtype":"I64","shape":[1],"data_offsets":[0,8]}}"#;
-        let mut f = (hdr.len() as u64).to_le_bytes().to_vec();
-        f.extend_from_slice(hdr);
-        f.extend_from_slice(&[0; 8]);
-        std::fs::write(&p, &f).unwrap();
-        let e = Checkpoint::open(&d).err().unwrap().to_string();
-        assert!(e.contains("`w`") && e.contains("I64"), "{e}");
+        // A dtype tprun does not read is refused when that tensor is read, naming it; the
+        // other tensors of the file stay readable.
+        let hdr = br#"{"i":{"dtype":"I64","shape":[1],"data_offsets":[0,8]},
+                        "w":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}}"#;
+        std::fs::write(&p, raw(hdr, 12)).unwrap();
+        let ck = Checkpoint::open(&d).unwrap();
+        assert_eq!(ck.read_f32("w", &[1], &Slice::Full).unwrap(), [0.0]);
+        for e in [
+            ck.read_f32("i", &[1], &Slice::Full).unwrap_err(),
+            ck.dtype_of("i").unwrap_err(),
+        ] {
+            let e = e.to_string();
+            assert!(e.contains("`i`") && e.contains("I64"), "{e}");
+        }
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// A file of `header` and `data` zero bytes.
+    fn raw(header: &[u8], data: usize) -> Vec<u8> {
+        let mut f = (header.len() as u64).to_le_bytes().to_vec();
+        f.extend_from_slice(header);
+        f.resize(f.len() + data, 0);
+        f
+    }
+
+    /// The one-line error of parsing `header` followed by `data` bytes.
+    fn parse_err(header: &str, data: usize) -> String {
+        let p = Path::new("m.safetensors");
+        match parse(p, &raw(header.as_bytes(), data)) {
+            Ok(t) => panic!("accepted: {t:?}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn overlapping_ranges_are_refused() {
+        // `b` reads the second half of `a`'s bytes as its own (the hand-written parser of old
+        // accepted this).
+        let e = parse_err(
+            r#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},
+                "b":{"dtype":"F32","shape":[4],"data_offsets":[8,24]}}"#,
+            24,
+        );
+        assert!(
+            e.starts_with("m.safetensors: tensor `b`")
+                && e.contains("overlap")
+                && e.contains("`a`"),
+            "{e}"
+        );
+        // Two tensors on the same bytes.
+        let e = parse_err(
+            r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},
+                "b":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#,
+            8,
+        );
+        assert!(e.contains("overlap"), "{e}");
+    }
+
+    #[test]
+    fn out_of_bounds_ranges_are_refused() {
+        let e = parse_err(
+            r#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#,
+            12,
+        );
+        assert!(
+            e.contains("tensor `a`") && e.contains("out of bounds") && e.contains("12 bytes"),
+            "{e}"
+        );
+        // Eight tensors of 2^61 - 1 bytes (each size matches its shape) that tile the data
+        // section up to 2^64 - 8: refused before anything adds an offset to the header length.
+        let k = (1u64 << 61) - 1;
+        let entries: Vec<String> = (0..8)
+            .map(|i| {
+                format!(
+                    r#""t{i}":{{"dtype":"U8","shape":[{k}],"data_offsets":[{},{}]}}"#,
+                    i * k,
+                    (i + 1) * k
+                )
+            })
+            .collect();
+        let e = parse_err(&format!("{{{}}}", entries.join(",")), 8);
+        assert!(e.contains("out of bounds"), "{e}");
+        // Bytes after the last tensor.
+        let e = parse_err(
+            r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+            8,
+        );
+        assert!(e.contains("4 bytes after the last tensor `a`"), "{e}");
+    }
+
+    #[test]
+    fn out_of_order_ranges_are_refused() {
+        // A range that ends before it starts.
+        let e = parse_err(
+            r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},
+                "b":{"dtype":"F32","shape":[2],"data_offsets":[16,8]}}"#,
+            16,
+        );
+        assert!(
+            e.contains("tensor `b`") && e.contains("ends before it starts"),
+            "{e}"
+        );
+        // A gap between two tensors, and one before the first.
+        let e = parse_err(
+            r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},
+                "b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}}"#,
+            12,
+        );
+        assert!(
+            e.contains("tensor `b`") && e.contains("gap after tensor `a`"),
+            "{e}"
+        );
+        let e = parse_err(
+            r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#,
+            8,
+        );
+        assert!(
+            e.contains("tensor `a`") && e.contains("gap of 4 bytes"),
+            "{e}"
+        );
+        // Listed out of file order is fine: the header is a map.
+        let ok = r#"{"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]},
+                     "a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#;
+        let t = parse(Path::new("m"), &raw(ok.as_bytes(), 8)).unwrap();
+        assert_eq!(t["b"].range.start - t["a"].range.start, 4);
+    }
+
+    #[test]
+    fn sizes_that_disagree_with_shapes_name_the_tensor() {
+        let e = parse_err(
+            r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},
+                "b":{"dtype":"BF16","shape":[3],"data_offsets":[4,12]}}"#,
+            12,
+        );
+        assert!(
+            e.contains("tensor `b`") && e.contains("hold 8 bytes") && e.contains("[3]"),
+            "{e}"
+        );
+        let e = parse_err(
+            r#"{"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,0]}}"#,
+            0,
+        );
+        assert!(e.contains("tensor `a`") && e.contains("overflows"), "{e}");
+        // No elements, but dimensions after the first that multiply past 2^64.
+        let e = parse_err(
+            r#"{"a":{"dtype":"F32","shape":[0,8589934592,8589934592],"data_offsets":[0,0]}}"#,
+            0,
+        );
+        assert!(e.contains("tensor `a`") && e.contains("overflows"), "{e}");
+    }
+
+    /// The writer's header is the crate's: its reader reads the file back.
+    #[test]
+    fn written_files_read_back_with_the_crate() {
+        let d = tmpdir("crate");
+        let p = d.join("model.safetensors");
+        let bytes = encode(DType::BF16, &[1.0, 2.0, 3.0]);
+        write(
+            &p,
+            &[
+                ("z".into(), DType::BF16, vec![3]),
+                ("a".into(), DType::F32, vec![1, 1]),
+            ],
+            &mut |i, out| match i {
+                0 => out(&bytes),
+                _ => out(&encode(DType::F32, &[4.0])),
+            },
+        )
+        .unwrap();
+        let file = std::fs::read(&p).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&file).unwrap();
+        assert_eq!(st.tensor("z").unwrap().data(), &bytes[..]);
+        assert_eq!(st.tensor("a").unwrap().shape(), [1, 1]);
+        // The header is padded so that the data starts 8-byte aligned.
+        let n = u64::from_le_bytes(file[..8].try_into().unwrap());
+        assert_eq!(n % 8, 0);
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

@@ -492,7 +492,7 @@ fn sharded_checkpoint_equals_single_file() {
             .iter()
             .map(|n| {
                 let (_, t) = ck.info(n).unwrap();
-                (n.clone(), t.dtype, t.shape.clone())
+                (n.clone(), t.dtype().unwrap(), t.shape.clone())
             })
             .collect();
         safetensors::write(&split.join(&fname), &list, &mut |j, out| {

@@ -1,0 +1,4 @@
+#![no_main]
+// The logic and its description are in tprun_rank::fuzzing::model_config; stable tests replay this
+// target's corpus through the same function.
+libfuzzer_sys::fuzz_target!(|data: &[u8]| tprun_rank::fuzzing::model_config(data));
