@@ -203,11 +203,10 @@ TP_DEV void norm_load(float* x, const float* delta, u64 k, u64 dim, bool vec, fl
     for (int j = 0; j < 4; ++j) ss += a[j] * a[j];
 }
 
-// Pass 2 for pack k: out = (a · inv) · w, the CPU twin's order of the two products.
-template <class W>
-TP_DEV void norm_store(float* out, const u8* w, u64 k, u64 dim, bool vec, const float* a, float inv) {
-    float wk[4], o[4];
-    ld4<W>(w, k * 4, dim, vec, wk);
+// Pass 2 for pack k: out = (a · inv) · w (wk: the pack's weights), the CPU twin's order of
+// the two products.
+TP_DEV void norm_store(float* out, u64 k, u64 dim, bool vec, const float* a, const float* wk, float inv) {
+    float o[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) o[j] = (a[j] * inv) * wk[j];
     st4(out, k * 4, dim, vec, o);
@@ -226,6 +225,10 @@ TP_DEV void norm_store(float* out, const u8* w, u64 k, u64 dim, bool vec, const 
 // Bytes per row: rms_norm reads dim·4 + dim·sizeof(W), writes dim·4; add_rms_norm reads
 // 2·dim·4 + dim·sizeof(W), writes 2·dim·4. At rows = 1 (decode) one block: latency-bound
 // (~1 % of HBM bandwidth, a few µs); at thousands of rows (prefill) ~70–80 % expected.
+//
+// The weights of the register-cached packs are loaded before tp_pdl_wait(): no kernel of the
+// step writes them, so under programmatic dependent launch their latency overlaps the kernel
+// before (at rows = 1 this kernel is a chain of dependent memory round trips).
 template <class W, bool ADD>
 TP_DEV void norm_rows(const NormParams& p) {
     const u64 dim = p.dim;
@@ -233,6 +236,13 @@ TP_DEV void norm_rows(const NormParams& p) {
     const u32 T = blockDim.x;
     const bool vec = p.vec != 0;
     const u8* w = (const u8*)p.w;
+    float wkeep[TP_NORM_CACHE][4];
+#pragma unroll
+    for (int j = 0; j < TP_NORM_CACHE; ++j) {
+        const u64 k = threadIdx.x + (u64)j * T;
+        if (k < packs) ld4<W>(w, k * 4, dim, vec, wkeep[j]);
+    }
+    tp_pdl_wait();
     for (u64 r = blockIdx.x; r < p.rows; r += gridDim.x) {
         float* x = (float*)p.x + r * dim;
         const float* delta = ADD ? (const float*)p.delta + r * dim : (const float*)0;
@@ -252,23 +262,24 @@ TP_DEV void norm_rows(const NormParams& p) {
 #pragma unroll
         for (int j = 0; j < TP_NORM_CACHE; ++j) {
             const u64 k = threadIdx.x + (u64)j * T;
-            if (k < packs) norm_store<W>(out, w, k, dim, vec, keep[j], inv);
+            if (k < packs) norm_store(out, k, dim, vec, keep[j], wkeep[j], inv);
         }
         // Packs past the register cache: x again (this thread's own earlier store when ADD).
         for (u64 k = threadIdx.x + (u64)TP_NORM_CACHE * T; k < packs; k += T) {
-            float a[4];
+            float a[4], wk[4];
             ld4<F32>((const u8*)x, k * 4, dim, vec, a);
-            norm_store<W>(out, w, k, dim, vec, a, inv);
+            ld4<W>(w, k * 4, dim, vec, wk);
+            norm_store(out, k, dim, vec, a, wk, inv);
         }
     }
 }
 
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) rms_norm_f32(NormParams p) { tp_pdl_wait(); norm_rows<F32, false>(p); }
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) rms_norm_f16(NormParams p) { tp_pdl_wait(); norm_rows<F16, false>(p); }
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) rms_norm_bf16(NormParams p) { tp_pdl_wait(); norm_rows<BF16, false>(p); }
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) add_rms_norm_f32(NormParams p) { tp_pdl_wait(); norm_rows<F32, true>(p); }
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) add_rms_norm_f16(NormParams p) { tp_pdl_wait(); norm_rows<F16, true>(p); }
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) add_rms_norm_bf16(NormParams p) { tp_pdl_wait(); norm_rows<BF16, true>(p); }
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) rms_norm_f32(NormParams p) { norm_rows<F32, false>(p); }
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) rms_norm_f16(NormParams p) { norm_rows<F16, false>(p); }
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) rms_norm_bf16(NormParams p) { norm_rows<BF16, false>(p); }
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) add_rms_norm_f32(NormParams p) { norm_rows<F32, true>(p); }
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) add_rms_norm_f16(NormParams p) { norm_rows<F16, true>(p); }
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) add_rms_norm_bf16(NormParams p) { norm_rows<BF16, true>(p); }
 
 // ---- RoPE -------------------------------------------------------------------------------
 
