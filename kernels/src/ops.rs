@@ -293,11 +293,24 @@ impl<B> Attention<'_, B> {
         self.k_cache.len / (self.kv_heads * self.head_dim).max(1)
     }
 
-    /// f32 elements of workspace the split-sequence GPU kernel needs for `rows` queries of
+    /// 4-byte elements of workspace the split-sequence GPU kernel needs for `rows` queries of
     /// `heads` heads over a cache of `cap` rows: per (row, head, split) a running max, a sum
-    /// and `head_dim` partial outputs.
+    /// and `head_dim` partial outputs (f32), then per (row, head) a u32 arrival count, which
+    /// must be zero before the first use (see [`Attention::workspace_counts`]); the kernel
+    /// leaves it zero.
     pub fn workspace_len(rows: usize, heads: usize, head_dim: usize, cap: usize) -> usize {
-        rows * heads * cap.div_ceil(ATTN_SPLIT) * (head_dim + 2)
+        Self::workspace_counts(rows, heads, head_dim, cap).end
+    }
+
+    /// Where the arrival counts lie in the workspace (elements): the range to clear once.
+    pub fn workspace_counts(
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        cap: usize,
+    ) -> std::ops::Range<usize> {
+        let partials = rows * heads * cap.div_ceil(ATTN_SPLIT) * (head_dim + 2);
+        partials..partials + rows * heads
     }
 
     pub fn validate(&self) -> Result<()> {
