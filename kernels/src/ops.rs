@@ -293,24 +293,11 @@ impl<B> Attention<'_, B> {
         self.k_cache.len / (self.kv_heads * self.head_dim).max(1)
     }
 
-    /// 4-byte elements of workspace the split-sequence GPU kernel needs for `rows` queries of
+    /// f32 elements of workspace the split-sequence GPU kernel needs for `rows` queries of
     /// `heads` heads over a cache of `cap` rows: per (row, head, split) a running max, a sum
-    /// and `head_dim` partial outputs (f32), then per (row, head) a u32 arrival count, which
-    /// must be zero before the first use (see [`Attention::workspace_counts`]); the kernel
-    /// leaves it zero.
+    /// and `head_dim` partial outputs.
     pub fn workspace_len(rows: usize, heads: usize, head_dim: usize, cap: usize) -> usize {
-        Self::workspace_counts(rows, heads, head_dim, cap).end
-    }
-
-    /// Where the arrival counts lie in the workspace (elements): the range to clear once.
-    pub fn workspace_counts(
-        rows: usize,
-        heads: usize,
-        head_dim: usize,
-        cap: usize,
-    ) -> std::ops::Range<usize> {
-        let partials = rows * heads * cap.div_ceil(ATTN_SPLIT) * (head_dim + 2);
-        partials..partials + rows * heads
+        rows * heads * cap.div_ceil(ATTN_SPLIT) * (head_dim + 2)
     }
 
     pub fn validate(&self) -> Result<()> {

@@ -1,14 +1,13 @@
 //! Launchers of `kernels/src/gpu/attention.cu` (`Op::Attention`) and its twin cases.
 //!
 //! With a workspace: `attn_split_g{G}_{dtype}` on a grid (kv_heads · chunks, parts, rows),
-//! one block per (KV head, ≤ 8 of its query heads, part of the row's positions, row); the
-//! last block of each (KV head, row) to finish merges the parts (no second launch). `parts`
-//! is chosen here (about two blocks per SM over the grid, at most one per 256 positions of
-//! the cache); how many positions a part holds, the kernels decide from the position on the
-//! device. Without: `attn_single_g{G}_{dtype}` on (kv_heads · chunks, rows). The grid
-//! depends on `cap`, never on the positions, so one captured launch serves every token.
-//! Heads per block: the query heads of one KV head together (GQA), G the power of two that
-//! holds min(group, 8).
+//! one block per (KV head, ≤ 8 of its query heads, part of the row's positions, row), then
+//! `attn_merge` on (heads, rows). `parts` is chosen here (about two blocks per SM over the
+//! grid, at most one per 256 positions of the cache); how many positions a part holds, the
+//! kernels decide from the position on the device. Without: `attn_single_g{G}_{dtype}` on (kv_heads · chunks,
+//! rows). The grid depends on `cap`, never on the positions (they are on the device), so one
+//! captured launch serves every token. Heads per block: the query heads of one KV head
+//! together (GQA), G the power of two that holds min(group, 8).
 //!
 //! Owns: the kernel table of attention.cu and the mirror of its parameter struct.
 //! Must not: allocate or synchronise (captured into the decode graph).
@@ -26,7 +25,7 @@ use crate::{DType, KernelError, Result};
 
 /// The kernels of attention.cu, in the order the launchers index them:
 /// `(kind · 4 + log2 G) · 3 + dtype` with kind 0 = split, 1 = single, dtype in
-/// [`DType::ALL`] order.
+/// [`DType::ALL`] order; then the merge.
 pub(crate) const NAMES: &[&str] = &[
     "attn_split_g1_f32",
     "attn_split_g1_f16",
@@ -52,10 +51,14 @@ pub(crate) const NAMES: &[&str] = &[
     "attn_single_g8_f32",
     "attn_single_g8_f16",
     "attn_single_g8_bf16",
+    "attn_merge",
 ];
+const MERGE: usize = 24;
 
 /// attention.cu TP_ATTN_THREADS.
 const THREADS: u32 = 256;
+/// attention.cu TP_ATTN_MERGE_THREADS.
+const MERGE_THREADS: u32 = 256;
 /// attention.cu TP_ATTN_DMAX: the largest head_dim the kernels take.
 const DMAX: usize = 256;
 /// attention.cu TP_ATTN_GMAX: most query heads per block.
@@ -188,11 +191,21 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
                 kernel_index(false, group, a.k_cache.dtype),
             );
             // SAFETY: AttnParams is the parameter of every attention.cu kernel; every address
-            // was bounds-checked above (the workspace for the partials and arrival counts
+            // was bounds-checked above (the workspace for the rows · heads · parts partials
             // the kernels write) and stays valid while the stream runs (the caller keeps its
             // buffers alive until a sync).
             unsafe { l.launch_fn(split, (x, parts as u32, a.rows as u32), THREADS, 0, &mut p)? };
-            Ok(())
+            let merge = l.kernels.func(Module::Attention, MERGE);
+            // SAFETY: as above.
+            unsafe {
+                l.launch_fn(
+                    merge,
+                    (a.heads as u32, a.rows as u32, 1),
+                    MERGE_THREADS,
+                    0,
+                    &mut p,
+                )
+            }
         }
         None => {
             let f = l.kernels.func(
@@ -206,9 +219,8 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
 }
 
 /// One attention twin case: random q, K and V (already rounded to the cache dtype), the
-/// positions given, outputs poisoned, the workspace's partials (when used) poisoned too (its
-/// arrival counts zero, as the owner leaves them): the merge must read only partials the
-/// split kernel wrote.
+/// positions given, outputs poisoned, the workspace (when used) poisoned too: the merge must
+/// read only partials the split kernel wrote.
 struct AttnCase {
     dtype: DType,
     heads: usize,
@@ -272,12 +284,10 @@ impl TwinCase for AttnCase {
         if self.workspace {
             let len =
                 ops::Attention::<()>::workspace_len(self.rows(), self.heads, self.d, self.cap);
-            // NaN partials; the arrival counts zero, as the workspace's owner leaves them.
-            let counts =
-                ops::Attention::<()>::workspace_counts(self.rows(), self.heads, self.d, self.cap);
-            let mut ws = vec![f32::NAN; len];
-            ws[counts].fill(0.0);
-            out.push(Buf::input(DType::F32, encode(DType::F32, &ws)));
+            out.push(Buf::input(
+                DType::F32,
+                encode(DType::F32, &vec![f32::NAN; len]),
+            ));
         }
         out
     }
@@ -445,7 +455,8 @@ pub(super) mod tests {
             NAMES[kernel_index(true, 12, DType::BF16)],
             "attn_single_g8_bf16"
         );
-        assert_eq!(NAMES.len(), 24);
+        assert_eq!(NAMES[MERGE], "attn_merge");
+        assert_eq!(NAMES.len(), MERGE + 1);
     }
 
     #[test]
@@ -454,6 +465,7 @@ pub(super) mod tests {
         let def = |name: &str| crate::cuda::twin::testing::cu_define(src, name);
         assert_eq!(def("TP_ATTN_SPLIT"), ATTN_SPLIT.to_string());
         assert_eq!(def("TP_ATTN_THREADS"), THREADS.to_string());
+        assert_eq!(def("TP_ATTN_MERGE_THREADS"), MERGE_THREADS.to_string());
         assert_eq!(def("TP_ATTN_DMAX"), DMAX.to_string());
         assert_eq!(def("TP_ATTN_GMAX"), GMAX.to_string());
     }
@@ -558,7 +570,6 @@ pub(super) mod tests {
             gpu.write(&pb, 0, &encode_u32(&pos)).unwrap();
             let wl = ops::Attention::<()>::workspace_len(rows, heads, d, cap);
             let ws = gpu.alloc(wl * 4).unwrap();
-            gpu.write(&ws, 0, &vec![0u8; wl * 4]).unwrap();
             for split in [true, false] {
                 let op = Op::Attention(ops::Attention {
                     q: View::new(&q, 0, qn, DType::F32),

@@ -10,9 +10,8 @@
 // FlashInfer's and FlashAttention's decode kernels do, with the split length chosen on the
 // device): each row's pos + 1 positions are cut into `parts` parts (attn_part_len, at least
 // TP_ATTN_PART_MIN positions each), one block per (KV head, part, row) writes the partial
-// softmax state of its part into the workspace, and the last of them to finish combines the
-// partials (attn_merge_head). A part past pos[r] writes an empty partial and only counts its
-// arrival. A block walks its part in chunks of
+// softmax state of its part into the workspace, and attn_merge combines the partials. A part
+// past pos[r] writes an empty partial and exits at once. A block walks its part in chunks of
 // TP_ATTN_SPLIT positions (the shared-memory score rows), merging as it goes; without a
 // workspace, attn_single_* walk all positions of a row in one block per (KV head, row).
 // (Until 2026-12-03 the parts were fixed 256-position splits of the cache: a 256-token
@@ -47,6 +46,8 @@
 #define TP_ATTN_GMAX 8
 // Fewest positions per part (attn_part_len), a multiple of the wavefront.
 #define TP_ATTN_PART_MIN 32
+// Threads of attn_merge: one per output element (head_dim <= TP_ATTN_DMAX).
+#define TP_ATTN_MERGE_THREADS 256
 
 // Arguments of every kernel here, by value. 6 * 8 + 10 * 4 = 88 bytes.
 struct AttnParams {
@@ -55,7 +56,7 @@ struct AttnParams {
     u64 v;         // [cap, kv_heads, head_dim] KV dtype
     u64 out;       // [rows, heads, head_dim] f32
     u64 pos;       // [rows] u32
-    u64 ws;        // f32 workspace, then the u32 arrival counts (split kernels only)
+    u64 ws;        // f32 workspace (split kernels and attn_merge only)
     u32 rows;
     u32 heads;
     u32 kv_heads;
@@ -430,53 +431,13 @@ TP_DEV bool attn_range(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& run, co
     return true;
 }
 
-// out[row, h] from the partials of the parts that hold positions 0 ..= pos (the merge rule
-// at the top of this file), by the whole block: thread j owns output element j (d <= the
-// block's TP_ATTN_THREADS), the weights e^(m_i - m) of up to TP_ATTN_THREADS parts at a time
-// are computed once into `wt`. The partials were written by other blocks of this grid, so
-// they are read with volatile loads (not from this SM's L1) after the caller's fence.
-TP_DEV void attn_merge_head(const AttnParams& p, u32 row, u32 h, u32 used, float* wt, float* red) {
-    const u32 tid = threadIdx.x, d = p.head_dim;
-    const u64 stride = (u64)d + 2;
-    const volatile float* part = (const volatile float*)p.ws + ((u64)row * p.heads + h) * p.parts * stride;
-    float m = attn_neg_inf();
-    for (u32 i = tid; i < used; i += TP_ATTN_THREADS) m = fmaxf(m, part[i * stride]);
-    m = attn_wave_max(m);
-    if (tid % TP_WAVE == 0) red[tid / TP_WAVE] = m;
-    __syncthreads();
-    m = red[0];
-    for (u32 w = 1; w < TP_ATTN_THREADS / TP_WAVE; ++w) m = fmaxf(m, red[w]);
-    float o = 0.0f, l = 0.0f;
-    for (u32 c0 = 0; c0 < used; c0 += TP_ATTN_THREADS) {
-        const u32 cn = used - c0 < TP_ATTN_THREADS ? used - c0 : TP_ATTN_THREADS;
-        if (tid < cn) wt[tid] = expf(part[(c0 + tid) * stride] - m);
-        __syncthreads();
-        for (u32 i = 0; i < cn; ++i) {
-            const volatile float* pi = part + (c0 + i) * stride;
-            const float w = wt[i];
-            l += w * pi[1];  // every thread sums l the same way, in part order
-            if (tid < d) o += w * pi[2 + tid];
-        }
-        __syncthreads();
-    }
-    if (tid < d) ((float*)p.out)[((u64)row * p.heads + h) * d + tid] = o / l;
-}
-
 // Grid (kv_heads * chunks, parts, rows), TP_ATTN_THREADS threads: the partial state of one
-// part of a row's positions (attn_part_len) for one head chunk, into the workspace; the last
-// block of (head chunk, row) to finish then merges all parts into out. The number of parts is
-// the launcher's (about two blocks per SM over the grid's x and z, at most one per
-// TP_ATTN_SPLIT positions of the cache), and the part length follows the position on the
-// device: 256 positions over 8 KV heads are 9 parts of 32 keys, 32K positions 33 parts of
+// part of a row's positions (attn_part_len) for one head chunk, into the workspace. The
+// number of parts is the launcher's (about two blocks per SM over the grid's x and z, at most
+// one per TP_ATTN_SPLIT positions of the cache), and the part length follows the position on
+// the device: 256 positions over 8 KV heads are 8 parts of 32 keys, 32K positions 33 parts of
 // ~1K keys, so short and long sequences both spread over the SMs. Reads the part's K and V
 // rows of one KV head once and writes G * (d + 2) f32.
-//
-// The arrival count of (row, head chunk) is a u32 after the room for the most partials
-// (ops::Attention::workspace_len); it is zero before the first launch (the workspace's owner
-// clears it) and the merging block sets it back to zero, so graph replays and the next
-// layer's launch find it zero again. The fence before the count makes each block's partial
-// visible to the merging block (the CUDA programming guide's "last block" reduction, under
-// memory fence functions).
 template <class D, int G>
 TP_DEV void attn_split_kernel(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& run) {
     const AttnHeads hd = attn_heads(p);
@@ -496,40 +457,56 @@ TP_DEV void attn_split_kernel(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& 
             w[0] = attn_neg_inf();
             w[1] = 0.0f;
         }
-    } else {
-        const u32 e = pos + 1 - b < len ? pos + 1 : b + len;
-        attn_load_q<G>(p, sm, row, hd.h0, hd.gcount);
+        return;
+    }
+    const u32 e = pos + 1 - b < len ? pos + 1 : b + len;
+    attn_load_q<G>(p, sm, row, hd.h0, hd.gcount);
+    __syncthreads();
+    const u64 hoff = (u64)hd.kvh * d * D::SIZE;
+    const bool in_run = attn_range<D, G>(p, sm, run, (const u8*)p.k + hoff, (const u8*)p.v + hoff, b, e);
+    const float* m = in_run ? run.m : sm.m;
+    const float* l = in_run ? run.l : sm.l;
+    for (u32 i = threadIdx.x; i < hd.gcount * (u32)stride; i += TP_ATTN_THREADS) {
+        const u32 g = i / (u32)stride, j = i % (u32)stride;
+        ws[first + g * head_step + j] = j == 0 ? m[g] : (j == 1 ? l[g] : (in_run ? run.o[g][j - 2] : sm.o[g][j - 2]));
+    }
+}
+
+// Grid (heads, rows), TP_ATTN_MERGE_THREADS threads: out[row, h] from the partials of the
+// parts that hold positions 0 ..= pos[row] (the merge rule at the top of this file). Thread j
+// owns output element j; the weights e^(m_i - m) of up to TP_ATTN_MERGE_THREADS parts at a
+// time are computed once into shared memory. Reads used * (d + 2) f32, writes d f32: small
+// next to the split kernel's K/V traffic.
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_ATTN_MERGE_THREADS, 1) attn_merge(AttnParams p) { tp_pdl_wait();
+    __shared__ float wt[TP_ATTN_MERGE_THREADS];
+    __shared__ float red[TP_ATTN_MERGE_THREADS / TP_WAVE];
+    const u32 h = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
+    const u32 d = p.head_dim;
+    const u64 stride = (u64)d + 2;
+    const u32 pos = attn_pos(p, row);
+    const u32 used = pos / attn_part_len(p, pos) + 1;
+    const float* part = (const float*)p.ws + ((u64)row * p.heads + h) * p.parts * stride;
+    float m = attn_neg_inf();
+    for (u32 i = tid; i < used; i += TP_ATTN_MERGE_THREADS) m = fmaxf(m, part[i * stride]);
+    m = attn_wave_max(m);
+    if (tid % TP_WAVE == 0) red[tid / TP_WAVE] = m;
+    __syncthreads();
+    m = red[0];
+    for (u32 w = 1; w < TP_ATTN_MERGE_THREADS / TP_WAVE; ++w) m = fmaxf(m, red[w]);
+    float o = 0.0f, l = 0.0f;
+    for (u32 c0 = 0; c0 < used; c0 += TP_ATTN_MERGE_THREADS) {
+        const u32 cn = used - c0 < TP_ATTN_MERGE_THREADS ? used - c0 : TP_ATTN_MERGE_THREADS;
+        if (tid < cn) wt[tid] = expf(part[(c0 + tid) * stride] - m);
         __syncthreads();
-        const u64 hoff = (u64)hd.kvh * d * D::SIZE;
-        const bool in_run = attn_range<D, G>(p, sm, run, (const u8*)p.k + hoff, (const u8*)p.v + hoff, b, e);
-        const float* m = in_run ? run.m : sm.m;
-        const float* l = in_run ? run.l : sm.l;
-        for (u32 i = threadIdx.x; i < hd.gcount * (u32)stride; i += TP_ATTN_THREADS) {
-            const u32 g = i / (u32)stride, j = i % (u32)stride;
-            ws[first + g * head_step + j] = j == 0 ? m[g] : (j == 1 ? l[g] : (in_run ? run.o[g][j - 2] : sm.o[g][j - 2]));
+        for (u32 i = 0; i < cn; ++i) {
+            const float* pi = part + (c0 + i) * stride;
+            const float w = wt[i];
+            l += w * pi[1];  // every thread sums l the same way, in part order
+            if (tid < d) o += w * pi[2 + tid];
         }
-    }
-    // Arrival: the last block of (head chunk, row) merges.
-    __shared__ u32 last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const u64 splits = ((u64)p.cap + TP_ATTN_SPLIT - 1) / TP_ATTN_SPLIT;  // the most parts
-        u32* count = (u32*)(ws + (u64)p.rows * p.heads * splits * stride) + (u64)row * gridDim.x + blockIdx.x;
-        last = atomicAdd(count, 1u) == gridDim.y - 1;
-        if (last) *count = 0;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const u32 used = pos / len + 1;
-    // The part's score rows and query rows are free now: the merge weights and maxima.
-    float* wt = &sm.s[0][0];
-    float* red = &sm.q[0][0];
-    for (u32 g = 0; g < hd.gcount; ++g) {
-        attn_merge_head(p, row, hd.h0 + g, used, wt, red);
         __syncthreads();
     }
+    if (tid < d) ((float*)p.out)[((u64)row * p.heads + h) * d + tid] = o / l;
 }
 
 // Grid (kv_heads * chunks, rows), TP_ATTN_THREADS threads, no workspace: one block walks all

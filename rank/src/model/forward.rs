@@ -430,14 +430,6 @@ impl<D: Device> Model<D> {
             0,
             &tprun_kernels::dtype::encode(DType::F32, &cfg.inv_freq()),
         )?;
-        // The split attention kernel's arrival counts start at zero (it leaves them zero).
-        let counts = ops::Attention::<()>::workspace_counts(
-            1,
-            plan.q_heads.len(),
-            cfg.head_dim,
-            sizes.max_seq,
-        );
-        dev.write(&s.attn_ws, counts.start * 4, &vec![0u8; counts.len() * 4])?;
         let step = Step {
             buf: dev.alloc(sizes.step_words() * 4)?,
             chunk: sizes.chunk,
