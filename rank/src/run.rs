@@ -187,7 +187,10 @@ fn open_and_run(ctx: &RankCtx, conn: &Conn, spec: &JobSpec) -> Result<(), RankEr
         }
         Backend::Cuda => {
             // CUDA_VISIBLE_DEVICES (set by the coordinator) makes our device ordinal 0.
-            let dev = cuda::CudaDevice::open(0, spec.ipc, &spec.comm)?;
+            // Opening compiles every kernel module with NVRTC when the kernel cache is cold
+            // (tens of seconds on a new machine, more than a default --timeout): work, not a
+            // stall, so the heartbeat goes on meanwhile (an H200's first jobs exited 4).
+            let dev = ctx.beating(|| cuda::CudaDevice::open(0, spec.ipc, &spec.comm))?;
             dev.set_pdl(spec.pdl);
             run_task(ctx, conn, Arc::new(dev), spec, spin)
         }
