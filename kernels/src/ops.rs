@@ -200,6 +200,58 @@ impl<B> Rope<'_, B> {
     }
 }
 
+/// The gated delta rule of a Gated DeltaNet layer (Qwen3.5's `linear_attention`), `rows`
+/// tokens one after another through one sequence's state, as transformers'
+/// `torch_recurrent_gated_delta_rule` with the q/k L2 norm inside. Per row r and value head h
+/// (key head kh = h / (v_heads / k_heads)):
+///
+/// - `qkv`: [rows, 2·k_heads·dk + v_heads·dv] f32, each row [q | k | v] (the causal conv's
+///   output after SiLU); q_h = q[kh] / √(Σq² + 1e-6) / √dk, k_h = k[kh] / √(Σk² + 1e-6);
+/// - `b`, `a`: [rows, v_heads] f32; β = σ(b), g = −exp(a_log[h]) · softplus(a + dt_bias[h]),
+///   with `a_log`, `dt_bias`: [v_heads] f32;
+/// - `state`: [v_heads, dk, dv] f32, S_h, read and written: S ← e^g·S; δ = β·(v_h − Sᵀk_h);
+///   S ← S + k_h δᵀ; and `out`: [rows, v_heads, dv] f32 gets o = Sᵀq_h.
+///
+/// Rows are tokens of the same sequence in order, so a prompt run as one call leaves the state
+/// that running its tokens one by one leaves.
+pub struct GatedDelta<'a, B> {
+    pub qkv: View<'a, B>,
+    pub b: View<'a, B>,
+    pub a: View<'a, B>,
+    pub a_log: View<'a, B>,
+    pub dt_bias: View<'a, B>,
+    pub state: View<'a, B>,
+    pub out: View<'a, B>,
+    pub rows: usize,
+    pub k_heads: usize,
+    pub v_heads: usize,
+    pub dk: usize,
+    pub dv: usize,
+}
+
+/// The ε of the gated delta rule's q and k L2 norms (transformers' `l2norm`).
+pub const DELTA_L2_EPS: f32 = 1e-6;
+
+impl<B> GatedDelta<'_, B> {
+    pub fn validate(&self) -> Result<()> {
+        let (kh, vh, dk, dv) = (self.k_heads, self.v_heads, self.dk, self.dv);
+        if kh == 0 || vh == 0 || dk == 0 || dv == 0 || vh % kh != 0 {
+            return Err(bad(
+                "gated_delta",
+                format!("{vh} value heads over {kh} key heads, dk {dk}, dv {dv}"),
+            ));
+        }
+        let width = 2 * kh * dk + vh * dv;
+        expect("gated_delta", "qkv", &self.qkv, self.rows * width, F32)?;
+        expect("gated_delta", "b", &self.b, self.rows * vh, F32)?;
+        expect("gated_delta", "a", &self.a, self.rows * vh, F32)?;
+        expect("gated_delta", "a_log", &self.a_log, vh, F32)?;
+        expect("gated_delta", "dt_bias", &self.dt_bias, vh, F32)?;
+        expect("gated_delta", "state", &self.state, vh * dk * dv, F32)?;
+        expect("gated_delta", "out", &self.out, self.rows * vh * dv, F32)
+    }
+}
+
 /// Everything between the fused q|k|v projection and attention, for `rows` tokens: splits
 /// `qkv`: [rows, (heads + 2·kv_heads)·head_dim] f32 (this rank's q heads, then k heads, then
 /// v heads) and, per head, applies the optional q/k RMSNorm (Qwen3; weights [head_dim]) and

@@ -8,6 +8,7 @@
 
 pub(crate) mod attention;
 pub(crate) mod decode;
+pub(crate) mod delta;
 pub(crate) mod elementwise;
 pub(crate) mod embedding;
 pub(crate) mod matmul;
