@@ -229,6 +229,71 @@ pub struct GatedDelta<'a, B> {
     pub dv: usize,
 }
 
+/// A Gated DeltaNet layer's short causal convolution, `rows` tokens in order: per channel c,
+/// over the window [the `kernel − 1` previous inputs (from `state`), this row's `x`],
+/// `out[r, c] = silu(Σ_j w[c, j] · window[j])` (depthwise, no bias, as Qwen3.5's `conv1d`),
+/// then the window slides. `x`, `out`: [rows, channels] f32 (may not alias); `w`:
+/// [channels, kernel] f32 (transformers' [channels, 1, kernel]); `state`: [channels,
+/// kernel − 1] f32, oldest first, read and written (zeros at the start of a sequence).
+pub struct CausalConv<'a, B> {
+    pub x: View<'a, B>,
+    pub w: View<'a, B>,
+    pub state: View<'a, B>,
+    pub out: View<'a, B>,
+    pub rows: usize,
+    pub channels: usize,
+    pub kernel: usize,
+}
+
+impl<B> CausalConv<'_, B> {
+    pub fn validate(&self) -> Result<()> {
+        if self.kernel < 2 || self.channels == 0 {
+            return Err(bad(
+                "causal_conv",
+                format!("kernel {} over {} channels", self.kernel, self.channels),
+            ));
+        }
+        let (n, c) = (self.rows * self.channels, self.channels);
+        expect("causal_conv", "x", &self.x, n, F32)?;
+        expect("causal_conv", "out", &self.out, n, F32)?;
+        expect("causal_conv", "w", &self.w, c * self.kernel, F32)?;
+        expect(
+            "causal_conv",
+            "state",
+            &self.state,
+            c * (self.kernel - 1),
+            F32,
+        )
+    }
+}
+
+/// The gated RMSNorm that closes a Gated DeltaNet layer, per (row, head) of `dim` elements:
+/// `out = x / √(mean(x²) + eps) · w · silu(z)`. `x`, `z`, `out`: [rows, dim] f32 (`rows`
+/// counts every head of every token; out may be x); `w`: [head_dim] f32, where `dim` is the
+/// head dim (plain weights, not zero-centred).
+pub struct GatedRmsNorm<'a, B> {
+    pub x: View<'a, B>,
+    pub z: View<'a, B>,
+    pub w: View<'a, B>,
+    pub out: View<'a, B>,
+    pub rows: usize,
+    pub dim: usize,
+    pub eps: f32,
+}
+
+impl<B> GatedRmsNorm<'_, B> {
+    pub fn validate(&self) -> Result<()> {
+        let n = self.rows * self.dim;
+        if self.dim == 0 {
+            return Err(bad("gated_rms_norm", "dim 0"));
+        }
+        expect("gated_rms_norm", "x", &self.x, n, F32)?;
+        expect("gated_rms_norm", "z", &self.z, n, F32)?;
+        expect("gated_rms_norm", "out", &self.out, n, F32)?;
+        expect("gated_rms_norm", "w", &self.w, self.dim, F32)
+    }
+}
+
 /// The ε of the gated delta rule's q and k L2 norms (transformers' `l2norm`).
 pub const DELTA_L2_EPS: f32 = 1e-6;
 

@@ -124,6 +124,8 @@ impl Device for CpuDevice {
             Op::QkvRope(a) => ops::decode::qkv_rope(self, a),
             Op::Attention(a) => ops::decode::attention(self, a),
             Op::GatedDelta(a) => ops::delta::gated_delta(a),
+            Op::CausalConv(a) => ops::delta::causal_conv(a),
+            Op::GatedRmsNorm(a) => ops::delta::gated_rms_norm(a),
             Op::SiluMul(a) => ops::elementwise::silu_mul(self, &a.gate, &a.up, &a.out),
             Op::Add(a) => ops::elementwise::add(self, &a.a, &a.b, &a.out),
             Op::Matmul(a) => ops::decode::matmul(self, a),

@@ -1,14 +1,15 @@
-//! CPU twin of [`ops::GatedDelta`]: the gated delta rule of a Gated DeltaNet layer, token by
-//! token through one sequence's recurrent state (the recurrence transformers runs for Qwen3.5's
-//! `linear_attention` layers, `torch_recurrent_gated_delta_rule`). All f32, in the reference's
-//! order of operations: the q/k L2 norms, then per value head the decay, the delta and the read.
+//! CPU twins of the Gated DeltaNet ops (Qwen3.5's `linear_attention` layers):
+//! [`ops::CausalConv`] (the short causal convolution + SiLU), [`ops::GatedDelta`] (the gated
+//! delta rule, token by token through one sequence's recurrent state, as transformers'
+//! `torch_recurrent_gated_delta_rule`) and [`ops::GatedRmsNorm`] (the closing norm, gated by
+//! SiLU(z)). All f32, in the reference's order of operations.
 //!
 //! Must not: keep anything between calls (the state lives in the caller's buffer).
 
 use super::super::CpuBuf;
 use super::f32_ptr;
 use crate::ops::{self, DELTA_L2_EPS};
-use crate::Result;
+use crate::{Result, View};
 
 /// softplus(x) = ln(1 + eˣ), linear above 20 as torch's `F.softplus` (beta 1, threshold 20).
 fn softplus(x: f32) -> f32 {
@@ -28,15 +29,70 @@ fn l2_normalise(x: &mut [f32], scale: f32) {
     }
 }
 
+fn read(v: &View<'_, CpuBuf>, what: &str) -> Result<Vec<f32>> {
+    let p = f32_ptr(v, v.len, what)?;
+    // SAFETY: `f32_ptr` checked v.len f32 elements inside the buffer.
+    Ok(unsafe { std::slice::from_raw_parts(p.get(), v.len) }.to_vec())
+}
+
+fn write(v: &View<'_, CpuBuf>, vals: &[f32], what: &str) -> Result<()> {
+    let p = f32_ptr(v, vals.len(), what)?;
+    // SAFETY: checked for vals.len() elements.
+    unsafe { std::ptr::copy_nonoverlapping(vals.as_ptr(), p.get(), vals.len()) };
+    Ok(())
+}
+
+/// silu(x) = x / (1 + e^−x), as elementwise.rs.
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+pub(crate) fn causal_conv(a: &ops::CausalConv<'_, CpuBuf>) -> Result<()> {
+    let (c, kn) = (a.channels, a.kernel);
+    let x = read(&a.x, "causal_conv x")?;
+    let w = read(&a.w, "causal_conv w")?;
+    let mut state = read(&a.state, "causal_conv state")?;
+    let mut out = vec![0.0f32; a.rows * c];
+    for r in 0..a.rows {
+        for ch in 0..c {
+            let past = &mut state[ch * (kn - 1)..(ch + 1) * (kn - 1)];
+            let wc = &w[ch * kn..(ch + 1) * kn];
+            let new = x[r * c + ch];
+            let mut acc = 0.0f32;
+            for (j, &p) in past.iter().enumerate() {
+                acc += wc[j] * p;
+            }
+            acc += wc[kn - 1] * new;
+            out[r * c + ch] = silu(acc);
+            past.rotate_left(1);
+            past[kn - 2] = new;
+        }
+    }
+    write(&a.state, &state, "causal_conv state")?;
+    write(&a.out, &out, "causal_conv out")
+}
+
+pub(crate) fn gated_rms_norm(a: &ops::GatedRmsNorm<'_, CpuBuf>) -> Result<()> {
+    let d = a.dim;
+    let x = read(&a.x, "gated_rms_norm x")?;
+    let z = read(&a.z, "gated_rms_norm z")?;
+    let w = read(&a.w, "gated_rms_norm w")?;
+    let mut out = vec![0.0f32; a.rows * d];
+    for r in 0..a.rows {
+        let xr = &x[r * d..(r + 1) * d];
+        let ss: f32 = xr.iter().map(|v| v * v).sum();
+        let inv = 1.0 / (ss / d as f32 + a.eps).sqrt();
+        for j in 0..d {
+            out[r * d + j] = (xr[j] * inv) * w[j] * silu(z[r * d + j]);
+        }
+    }
+    write(&a.out, &out, "gated_rms_norm out")
+}
+
 pub(crate) fn gated_delta(a: &ops::GatedDelta<'_, CpuBuf>) -> Result<()> {
     let (kh, vh, dk, dv, rows) = (a.k_heads, a.v_heads, a.dk, a.dv, a.rows);
     let width = 2 * kh * dk + vh * dv;
     let per_key = vh / kh;
-    let read = |v: &crate::View<'_, CpuBuf>, what: &str| -> Result<Vec<f32>> {
-        let p = f32_ptr(v, v.len, what)?;
-        // SAFETY: `f32_ptr` checked v.len f32 elements inside the buffer.
-        Ok(unsafe { std::slice::from_raw_parts(p.get(), v.len) }.to_vec())
-    };
     let qkv = read(&a.qkv, "gated_delta qkv")?;
     let (b, av) = (read(&a.b, "gated_delta b")?, read(&a.a, "gated_delta a")?);
     let (a_log, dt_bias) = (
@@ -88,12 +144,6 @@ pub(crate) fn gated_delta(a: &ops::GatedDelta<'_, CpuBuf>) -> Result<()> {
             }
         }
     }
-    let write = |v: &crate::View<'_, CpuBuf>, vals: &[f32], what: &str| -> Result<()> {
-        let p = f32_ptr(v, vals.len(), what)?;
-        // SAFETY: checked for vals.len() elements.
-        unsafe { std::ptr::copy_nonoverlapping(vals.as_ptr(), p.get(), vals.len()) };
-        Ok(())
-    };
     write(&a.state, &state, "gated_delta state")?;
     write(&a.out, &out, "gated_delta out")
 }
@@ -263,6 +313,109 @@ mod tests {
                 "{shape:?}"
             );
         }
+    }
+
+    /// The convolution against an f64 one over the whole padded sequence (zeros before the
+    /// first input, as a fresh state), poisoned outputs; then the same rows one call each.
+    #[test]
+    fn causal_conv_matches_a_padded_convolution() {
+        let dev = CpuDevice::new(0, 1, 0);
+        let (rows, c, kn) = (6usize, 5usize, 4usize);
+        let mut rng = Rng::new(11);
+        let x = rng.vec_sym(rows * c);
+        let w = rng.vec_sym(c * kn);
+        fn f(b: &CpuBuf, at: usize, n: usize) -> View<'_, CpuBuf> {
+            View::new(b, at * 4, n, DType::F32)
+        }
+        let run = |per_call: usize| -> (Vec<f32>, Vec<f32>) {
+            let (xb, wb) = (upload(&dev, DType::F32, &x), upload(&dev, DType::F32, &w));
+            let sb = upload(&dev, DType::F32, &vec![0.0; c * (kn - 1)]);
+            let ob = upload(&dev, DType::F32, &vec![f32::NAN; rows * c]);
+            for r0 in (0..rows).step_by(per_call) {
+                dev.run(&Op::CausalConv(crate::ops::CausalConv {
+                    x: f(&xb, r0 * c, per_call * c),
+                    w: f(&wb, 0, c * kn),
+                    state: f(&sb, 0, c * (kn - 1)),
+                    out: f(&ob, r0 * c, per_call * c),
+                    rows: per_call,
+                    channels: c,
+                    kernel: kn,
+                }))
+                .unwrap();
+            }
+            (
+                download(&dev, &ob, DType::F32, rows * c),
+                download(&dev, &sb, DType::F32, c * (kn - 1)),
+            )
+        };
+        let (out, state) = run(rows);
+        let reference: Vec<f64> = (0..rows * c)
+            .map(|i| {
+                let (r, ch) = (i / c, i % c);
+                let acc: f64 = (0..kn)
+                    .filter(|&j| r + j + 1 >= kn)
+                    .map(|j| w[ch * kn + j] as f64 * x[(r + j + 1 - kn) * c + ch] as f64)
+                    .sum();
+                acc / (1.0 + (-acc).exp())
+            })
+            .collect();
+        assert!(
+            max_err(&out, &reference) < 1e-6,
+            "{:e}",
+            max_err(&out, &reference)
+        );
+        // The state holds the last kernel − 1 inputs of each channel, oldest first.
+        for ch in 0..c {
+            for j in 0..kn - 1 {
+                assert_eq!(state[ch * (kn - 1) + j], x[(rows - (kn - 1) + j) * c + ch]);
+            }
+        }
+        assert_eq!(run(1), (out, state));
+    }
+
+    #[test]
+    fn gated_rms_norm_matches_f64() {
+        let dev = CpuDevice::new(0, 1, 0);
+        let (rows, d) = (3usize, 16usize);
+        let mut rng = Rng::new(12);
+        let (x, z, w) = (rng.vec_sym(rows * d), rng.vec_sym(rows * d), rng.vec_sym(d));
+        let (xb, zb, wb) = (
+            upload(&dev, DType::F32, &x),
+            upload(&dev, DType::F32, &z),
+            upload(&dev, DType::F32, &w),
+        );
+        let ob = upload(&dev, DType::F32, &vec![f32::NAN; rows * d]);
+        fn f(b: &CpuBuf, n: usize) -> View<'_, CpuBuf> {
+            View::new(b, 0, n, DType::F32)
+        }
+        dev.run(&Op::GatedRmsNorm(crate::ops::GatedRmsNorm {
+            x: f(&xb, rows * d),
+            z: f(&zb, rows * d),
+            w: f(&wb, d),
+            out: f(&ob, rows * d),
+            rows,
+            dim: d,
+            eps: 1e-6,
+        }))
+        .unwrap();
+        let reference: Vec<f64> = (0..rows * d)
+            .map(|i| {
+                let r = i / d;
+                let ms: f64 = x[r * d..(r + 1) * d]
+                    .iter()
+                    .map(|&v| (v as f64).powi(2))
+                    .sum::<f64>()
+                    / d as f64;
+                let zz = z[i] as f64;
+                x[i] as f64 / (ms + 1e-6).sqrt() * w[i % d] as f64 * zz / (1.0 + (-zz).exp())
+            })
+            .collect();
+        let out = download(&dev, &ob, DType::F32, rows * d);
+        assert!(
+            max_err(&out, &reference) < 1e-6,
+            "{:e}",
+            max_err(&out, &reference)
+        );
     }
 
     #[test]
