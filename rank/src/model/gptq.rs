@@ -580,17 +580,19 @@ pub fn read_linear(
 
     // Zeros: the packed words covering `n`, unpacked; for `sym`, the whole tensor decides the
     // convention (it is 1/(8·g) of the weight's size), so that every rank decides the same.
-    let zero_format = if s.sym {
-        let all = ck.read_i32(&qz_name, &[ng, nn / PACK], &Slice::Full)?;
+    let zshape = [ng, nn / PACK];
+    let zw = n.start / PACK..n.end.div_ceil(PACK);
+    let (zero_format, packed) = if s.sym {
+        let all = ck.read_i32(&qz_name, &zshape, &Slice::Full)?;
         let fmt = detect_zero_format(&all, nn / PACK)
             .map_err(|why| tbad(&qz_name, format!("{why} (the config says sym)")))?;
         log_zero_format(module, fmt, declared);
-        fmt
+        let rows = &all[groups.start * zshape[1]..groups.end * zshape[1]];
+        (fmt, cut_cols(rows, zshape[1], zw.clone()))
     } else {
-        declared
+        let packed = read_i32_block(ck, &qz_name, zshape, groups.clone(), zw.clone())?;
+        (declared, packed)
     };
-    let zw = n.start / PACK..n.end.div_ceil(PACK);
-    let packed = read_i32_block(ck, &qz_name, [ng, nn / PACK], groups.clone(), zw.clone())?;
     let mut zeros = Vec::with_capacity(groups.len() * n.len());
     for row in packed.chunks_exact(zw.len().max(1)).take(groups.len()) {
         for c in n.clone() {
@@ -714,12 +716,16 @@ fn block_slice(shape: [usize; 2], rows: &Range<usize>, cols: &Range<usize>) -> S
 /// Columns `cols` of `v`, which holds `sl` of a tensor of `shape`.
 fn cut<T: Copy>(v: Vec<T>, shape: [usize; 2], sl: &Slice, cols: Range<usize>) -> Vec<T> {
     match sl {
-        Slice::Rows(_) if cols.len() != shape[1] => v
-            .chunks_exact(shape[1].max(1))
-            .flat_map(|r| r[cols.clone()].iter().copied())
-            .collect(),
+        Slice::Rows(_) if cols.len() != shape[1] => cut_cols(&v, shape[1], cols),
         _ => v,
     }
+}
+
+/// Columns `cols` of `rows`, whole rows of `width` elements.
+fn cut_cols<T: Copy>(rows: &[T], width: usize, cols: Range<usize>) -> Vec<T> {
+    rows.chunks_exact(width.max(1))
+        .flat_map(|r| r[cols.clone()].iter().copied())
+        .collect()
 }
 
 /// The input columns rank `rank` of `world` holds of a row-parallel quantized layer of `k`
