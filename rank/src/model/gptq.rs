@@ -798,7 +798,7 @@ pub fn quantize(
     opts: &QuantizeOptions,
 ) -> Result<Quantized, ModelError> {
     let bad = |why: String| ModelError::Invalid(format!("gptq quantize: {why}"));
-    if w.len() != n * k {
+    if n.checked_mul(k) != Some(w.len()) {
         return Err(bad(format!("{} values for [{n}, {k}]", w.len())));
     }
     if k == 0 || n == 0 || !k.is_multiple_of(PACK) || !n.is_multiple_of(PACK) {
