@@ -105,9 +105,12 @@ impl QuantSettings {
 pub enum RuleAction {
     /// `-:regex`: the module stays unquantized (plain `X.weight`).
     Skip,
-    /// `+:regex` or a bare regex: the given fields replace the base settings.
+    /// `+:regex` or a bare regex: the given fields replace the base settings (`None`: kept).
+    /// Other keys GPTQModel writes there (`damp_percent`, …) only steer quantizing and are
+    /// ignored.
     Override {
         bits: Option<u32>,
+        /// `Some(None)`: group_size −1.
         group_size: Option<Option<usize>>,
         sym: Option<bool>,
         desc_act: Option<bool>,
