@@ -6,6 +6,7 @@
 //! | --- | --- |
 //! | `config` | parsing and validating `config.json` / `generation_config.json` |
 //! | `shard` | which heads, MLP columns and vocab rows a rank owns (Megatron split) |
+//! | `gptq` | GPTQ int4: `quantization_config`, reading and dequantising packed layers, the quantiser |
 //! | `safetensors` | mapping checkpoint files and reading one rank's slices |
 //! | `weights` | a rank's weights on its device, shapes global and per rank |
 //! | `forward` | [`Model`]: KV cache, scratch, prefill and step |
@@ -18,6 +19,7 @@ pub mod config;
 pub mod error;
 pub mod forward;
 pub mod generate;
+pub mod gptq;
 pub mod local;
 pub mod safetensors;
 pub mod sample;

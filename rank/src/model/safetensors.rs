@@ -46,7 +46,8 @@ pub struct TensorInfo {
 }
 
 impl TensorInfo {
-    /// The stored element type as tprun's, if tprun can read it.
+    /// The stored element type as tprun's, if tprun can read it as a float tensor. I32
+    /// (GPTQ's packed int4 tensors and `g_idx`) is read by [`Checkpoint::read_i32`] instead.
     pub fn dtype(&self) -> Option<DType> {
         match self.stored {
             Dtype::F32 => Some(DType::F32),
@@ -389,6 +390,40 @@ impl Checkpoint {
         Ok(out)
     }
 
+    /// Reads a whole slice of an I32 tensor (GPTQ's `qweight`, `qzeros`, `g_idx`) as stored,
+    /// with no conversion: any other stored dtype is refused, naming the tensor.
+    pub fn read_i32(
+        &self,
+        name: &str,
+        shape: &[usize],
+        slice: &Slice,
+    ) -> Result<Vec<i32>, ModelError> {
+        let (f, t) = self.info(name)?;
+        let tbad = |why: String| ModelError::Tensor {
+            file: f.path.clone(),
+            tensor: name.into(),
+            why,
+        };
+        if t.shape != shape {
+            return Err(tbad(format!("shape {:?}, expected {shape:?}", t.shape)));
+        }
+        if t.stored != Dtype::I32 {
+            return Err(tbad(format!("dtype {}, expected I32", t.stored)));
+        }
+        let runs = slice_runs(shape, slice)
+            .ok_or_else(|| tbad(format!("cannot take {slice:?} of shape {shape:?}")))?;
+        let data = &f.map[t.range.clone()];
+        let mut out = Vec::with_capacity(runs.iter().map(|r| r.1).sum());
+        for (start, len) in runs {
+            out.extend(
+                data[start * 4..(start + len) * 4]
+                    .chunks_exact(4)
+                    .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            );
+        }
+        Ok(out)
+    }
+
     /// The dtype the checkpoint stores `name` in.
     pub fn dtype_of(&self, name: &str) -> Result<DType, ModelError> {
         let (f, t) = self.info(name)?;
@@ -459,19 +494,8 @@ pub fn read_slice(
     let stored = t.dtype().ok_or_else(|| unsupported(path, name, t))?;
     let data = &file[t.range.clone()];
     let es = stored.size();
-    let rows = shape.first().copied().unwrap_or(1);
-    let row_elems: usize = shape.iter().skip(1).product();
-    // The source runs to copy, as (first element, elements).
-    let runs: Vec<(usize, usize)> = match slice {
-        Slice::Full => vec![(0, rows * row_elems)],
-        Slice::Rows(r) if r.start <= r.end && r.end <= rows => {
-            vec![(r.start * row_elems, r.len() * row_elems)]
-        }
-        Slice::Cols(c) if shape.len() == 2 && c.start <= c.end && c.end <= row_elems => (0..rows)
-            .map(|i| (i * row_elems + c.start, c.len()))
-            .collect(),
-        _ => return Err(tbad(format!("cannot take {slice:?} of shape {shape:?}"))),
-    };
+    let runs = slice_runs(shape, slice)
+        .ok_or_else(|| tbad(format!("cannot take {slice:?} of shape {shape:?}")))?;
     let mut out_off = 0;
     // Gather runs into chunks of about CHUNK_BYTES source bytes, convert, hand over.
     let mut pending: Vec<u8> = Vec::new();
@@ -505,6 +529,25 @@ pub fn read_slice(
     flush(&mut pending, &mut out_off)
 }
 
+/// The source runs of `slice` of a tensor of `shape`, as (first element, elements), in order;
+/// `None` if the slice is out of range or a column slice of a tensor that is not 2-D.
+fn slice_runs(shape: &[usize], slice: &Slice) -> Option<Vec<(usize, usize)>> {
+    let rows = shape.first().copied().unwrap_or(1);
+    let row_elems: usize = shape.iter().skip(1).product();
+    match slice {
+        Slice::Full => Some(vec![(0, rows * row_elems)]),
+        Slice::Rows(r) if r.start <= r.end && r.end <= rows => {
+            Some(vec![(r.start * row_elems, r.len() * row_elems)])
+        }
+        Slice::Cols(c) if shape.len() == 2 && c.start <= c.end && c.end <= row_elems => Some(
+            (0..rows)
+                .map(|i| (i * row_elems + c.start, c.len()))
+                .collect(),
+        ),
+        _ => None,
+    }
+}
+
 /// The crate's name of a tprun dtype.
 fn st_dtype(d: DType) -> Dtype {
     match d {
@@ -528,6 +571,20 @@ pub fn write(
     tensors: &[(String, DType, Vec<usize>)],
     data: &mut TensorSource<'_>,
 ) -> Result<(), ModelError> {
+    let tensors: Vec<(String, Dtype, Vec<usize>)> = tensors
+        .iter()
+        .map(|(n, d, s)| (n.clone(), st_dtype(*d), s.clone()))
+        .collect();
+    write_stored(path, &tensors, data)
+}
+
+/// [`write`] with the file's own dtypes, for tensors that are no tprun dtype (GPTQ's I32
+/// `qweight`, `qzeros` and `g_idx`). Each dtype must be whole bytes per element.
+pub fn write_stored(
+    path: &Path,
+    tensors: &[(String, Dtype, Vec<usize>)],
+    data: &mut TensorSource<'_>,
+) -> Result<(), ModelError> {
     use std::io::Write;
     let io = |e| ModelError::io(path, e);
     let tbad = |name: &str, why: String| ModelError::Tensor {
@@ -539,15 +596,18 @@ pub fn write(
     let mut sizes = Vec::with_capacity(tensors.len());
     let mut off = 0usize;
     for (name, dtype, shape) in tensors {
+        if !dtype.bitsize().is_multiple_of(8) {
+            return Err(tbad(name, format!("dtype {dtype} is not whole bytes")));
+        }
         let bytes = shape
             .iter()
-            .try_fold(dtype.size(), |a, &d| a.checked_mul(d))
+            .try_fold(dtype.bitsize() / 8, |a, &d| a.checked_mul(d))
             .ok_or_else(|| tbad(name, format!("shape {shape:?} overflows")))?;
         if entries.iter().any(|(n, _)| n == name) {
             return Err(tbad(name, "listed twice".into()));
         }
         let entry = Entry {
-            dtype: st_dtype(*dtype),
+            dtype: *dtype,
             shape: shape.clone(),
             data_offsets: (off, off + bytes),
         };
@@ -879,6 +939,54 @@ mod tests {
             0,
         );
         assert!(e.contains("tensor `a`") && e.contains("overflows"), "{e}");
+    }
+
+    /// I32 tensors (GPTQ's) are written with the file's dtype and read back as stored, in
+    /// slices; a float reader refuses them and the I32 reader refuses floats.
+    #[test]
+    fn i32_tensors_round_trip_in_slices() {
+        let d = tmpdir("i32");
+        let vals: Vec<i32> = (0..12i32)
+            .map(|i| i.wrapping_mul(0x1111_1111) - 7)
+            .collect();
+        let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        write_stored(
+            &d.join("model.safetensors"),
+            &[
+                ("q".into(), Dtype::I32, vec![3, 4]),
+                ("f".into(), Dtype::F32, vec![1]),
+            ],
+            &mut |i, out| match i {
+                0 => out(&bytes),
+                _ => out(&encode(DType::F32, &[1.0])),
+            },
+        )
+        .unwrap();
+        let ck = Checkpoint::open(&d).unwrap();
+        assert_eq!(ck.read_i32("q", &[3, 4], &Slice::Full).unwrap(), vals);
+        assert_eq!(
+            ck.read_i32("q", &[3, 4], &Slice::Rows(2..3)).unwrap(),
+            &vals[8..]
+        );
+        assert_eq!(
+            ck.read_i32("q", &[3, 4], &Slice::Cols(3..4)).unwrap(),
+            [vals[3], vals[7], vals[11]]
+        );
+        let e = ck.read_f32("q", &[3, 4], &Slice::Full).unwrap_err();
+        assert!(e.to_string().contains("dtype I32 is not supported"), "{e}");
+        let e = ck.read_i32("f", &[1], &Slice::Full).unwrap_err();
+        assert!(
+            e.to_string().contains("`f`: dtype F32, expected I32"),
+            "{e}"
+        );
+        let e = ck.read_i32("q", &[4, 3], &Slice::Full).unwrap_err();
+        assert!(
+            e.to_string().contains("shape [3, 4], expected [4, 3]"),
+            "{e}"
+        );
+        let e = ck.read_i32("q", &[3, 4], &Slice::Rows(2..4)).unwrap_err();
+        assert!(e.to_string().contains("cannot take"), "{e}");
+        std::fs::remove_dir_all(&d).unwrap();
     }
 
     /// The writer's header is the crate's: its reader reads the file back.
