@@ -298,10 +298,20 @@ impl ModelConfig {
             .into_iter()
             .find(|a| a.hf_name() == arch_name)
             .ok_or_else(|| {
+                // The hybrid families have their ops (kernels: GatedDelta, CausalConv,
+                // GatedRmsNorm) and their GPTQ loader (gptq.rs), not yet a model.
+                let hybrid = arch_name.starts_with("Qwen3_5") || arch_name.starts_with("Qwen3Next");
                 unsupported(
                     "architectures",
                     format!("{arch_name:?}"),
-                    "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+                    if hybrid {
+                        "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, \
+                         Qwen3ForCausalLM; the gated DeltaNet hybrids (Qwen3.5, Qwen3-Next) are \
+                         not yet wired into decode"
+                    } else {
+                        "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, \
+                         Qwen3ForCausalLM"
+                    },
                 )
             })?;
 
@@ -653,6 +663,14 @@ mod tests {
         let e = parse(v).unwrap_err();
         assert!(matches!(e, ModelError::Unsupported { .. }), "{e}");
         assert!(e.to_string().contains("GPT2LMHeadModel"), "{e}");
+        assert!(!e.to_string().contains("DeltaNet"), "{e}");
+        // A Qwen3.5 checkpoint is told why, not only that.
+        for name in ["Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"] {
+            let mut v = llama();
+            v["architectures"] = serde_json::json!([name]);
+            let e = parse(v).unwrap_err().to_string();
+            assert!(e.contains(name) && e.contains("DeltaNet"), "{e}");
+        }
 
         let mut v = llama();
         v["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0});
