@@ -21,7 +21,7 @@ pub(crate) fn read_u32(v: &View<'_, CpuBuf>) -> Result<Vec<u32>> {
     Ok(unsafe { std::slice::from_raw_parts(p.get(), v.len) }.to_vec())
 }
 
-fn read_f32(v: &View<'_, CpuBuf>) -> Result<Vec<f32>> {
+pub(crate) fn read_f32(v: &View<'_, CpuBuf>) -> Result<Vec<f32>> {
     let p = f32_ptr(v, v.len, "f32 view")?;
     // SAFETY: `f32_ptr` checked v.len f32 elements inside the buffer.
     Ok(unsafe { std::slice::from_raw_parts(p.get(), v.len) }.to_vec())
@@ -37,7 +37,7 @@ fn write_u32(v: &View<'_, CpuBuf>, i: usize, value: u32) -> Result<()> {
     Ok(())
 }
 
-fn write_f32(v: &View<'_, CpuBuf>, vals: &[f32]) -> Result<()> {
+pub(crate) fn write_f32(v: &View<'_, CpuBuf>, vals: &[f32]) -> Result<()> {
     let p = f32_ptr(v, vals.len(), "f32 view")?;
     // SAFETY: checked for vals.len() elements.
     unsafe { std::ptr::copy_nonoverlapping(vals.as_ptr(), p.get(), vals.len()) };

@@ -7,9 +7,9 @@
 //! Must not: keep anything between calls (the state lives in the caller's buffer).
 
 use super::super::CpuBuf;
-use super::f32_ptr;
+use super::decode::{read_f32, write_f32};
 use crate::ops::{self, DELTA_L2_EPS};
-use crate::{Result, View};
+use crate::Result;
 
 /// softplus(x) = ln(1 + eˣ), linear above 20 as torch's `F.softplus` (beta 1, threshold 20).
 fn softplus(x: f32) -> f32 {
@@ -29,19 +29,6 @@ fn l2_normalise(x: &mut [f32], scale: f32) {
     }
 }
 
-fn read(v: &View<'_, CpuBuf>, what: &str) -> Result<Vec<f32>> {
-    let p = f32_ptr(v, v.len, what)?;
-    // SAFETY: `f32_ptr` checked v.len f32 elements inside the buffer.
-    Ok(unsafe { std::slice::from_raw_parts(p.get(), v.len) }.to_vec())
-}
-
-fn write(v: &View<'_, CpuBuf>, vals: &[f32], what: &str) -> Result<()> {
-    let p = f32_ptr(v, vals.len(), what)?;
-    // SAFETY: checked for vals.len() elements.
-    unsafe { std::ptr::copy_nonoverlapping(vals.as_ptr(), p.get(), vals.len()) };
-    Ok(())
-}
-
 /// silu(x) = x / (1 + e^−x), as elementwise.rs.
 fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
@@ -49,9 +36,9 @@ fn silu(x: f32) -> f32 {
 
 pub(crate) fn causal_conv(a: &ops::CausalConv<'_, CpuBuf>) -> Result<()> {
     let (c, kn) = (a.channels, a.kernel);
-    let x = read(&a.x, "causal_conv x")?;
-    let w = read(&a.w, "causal_conv w")?;
-    let mut state = read(&a.state, "causal_conv state")?;
+    let x = read_f32(&a.x)?;
+    let w = read_f32(&a.w)?;
+    let mut state = read_f32(&a.state)?;
     let mut out = vec![0.0f32; a.rows * c];
     for r in 0..a.rows {
         for ch in 0..c {
@@ -68,15 +55,15 @@ pub(crate) fn causal_conv(a: &ops::CausalConv<'_, CpuBuf>) -> Result<()> {
             past[kn - 2] = new;
         }
     }
-    write(&a.state, &state, "causal_conv state")?;
-    write(&a.out, &out, "causal_conv out")
+    write_f32(&a.state, &state)?;
+    write_f32(&a.out, &out)
 }
 
 pub(crate) fn gated_rms_norm(a: &ops::GatedRmsNorm<'_, CpuBuf>) -> Result<()> {
     let d = a.dim;
-    let x = read(&a.x, "gated_rms_norm x")?;
-    let z = read(&a.z, "gated_rms_norm z")?;
-    let w = read(&a.w, "gated_rms_norm w")?;
+    let x = read_f32(&a.x)?;
+    let z = read_f32(&a.z)?;
+    let w = read_f32(&a.w)?;
     let mut out = vec![0.0f32; a.rows * d];
     for r in 0..a.rows {
         let xr = &x[r * d..(r + 1) * d];
@@ -86,20 +73,17 @@ pub(crate) fn gated_rms_norm(a: &ops::GatedRmsNorm<'_, CpuBuf>) -> Result<()> {
             out[r * d + j] = (xr[j] * inv) * w[j] * silu(z[r * d + j]);
         }
     }
-    write(&a.out, &out, "gated_rms_norm out")
+    write_f32(&a.out, &out)
 }
 
 pub(crate) fn gated_delta(a: &ops::GatedDelta<'_, CpuBuf>) -> Result<()> {
     let (kh, vh, dk, dv, rows) = (a.k_heads, a.v_heads, a.dk, a.dv, a.rows);
     let width = 2 * kh * dk + vh * dv;
     let per_key = vh / kh;
-    let qkv = read(&a.qkv, "gated_delta qkv")?;
-    let (b, av) = (read(&a.b, "gated_delta b")?, read(&a.a, "gated_delta a")?);
-    let (a_log, dt_bias) = (
-        read(&a.a_log, "gated_delta a_log")?,
-        read(&a.dt_bias, "gated_delta dt_bias")?,
-    );
-    let mut state = read(&a.state, "gated_delta state")?;
+    let qkv = read_f32(&a.qkv)?;
+    let (b, av) = (read_f32(&a.b)?, read_f32(&a.a)?);
+    let (a_log, dt_bias) = (read_f32(&a.a_log)?, read_f32(&a.dt_bias)?);
+    let mut state = read_f32(&a.state)?;
     let mut out = vec![0.0f32; rows * vh * dv];
     let scale = 1.0 / (dk as f32).sqrt();
     let mut kv_mem = vec![0.0f32; dv];
@@ -144,8 +128,8 @@ pub(crate) fn gated_delta(a: &ops::GatedDelta<'_, CpuBuf>) -> Result<()> {
             }
         }
     }
-    write(&a.state, &state, "gated_delta state")?;
-    write(&a.out, &out, "gated_delta out")
+    write_f32(&a.state, &state)?;
+    write_f32(&a.out, &out)
 }
 
 #[cfg(test)]
