@@ -172,6 +172,14 @@ TP_DEV void gemv_pack(const V16 (&wv)[R], const float* const (&xr)[MT], u32 k, u
     }
 }
 
+// tp_pdl_wait() once per thread: `waited` says whether this thread has passed it.
+TP_DEV void gemv_wait_once(bool& waited) {
+    if (!waited) {
+        tp_pdl_wait();
+        waited = true;
+    }
+}
+
 // The 16-byte path: this lane's packs lane, lane + TP_WAVE, ... of k / V, U at a time while
 // all U exist for this lane, then one at a time.
 //
@@ -190,18 +198,12 @@ TP_DEV void gemv_dot_vec(const u8* const (&wr)[R], const float* const (&xr)[MT],
 #pragma unroll
             for (int r = 0; r < R; ++r) wv[u][r] = gemv_ld_w(wr[r] + (u64)(c + u * TP_WAVE) * 16);
         }
-        if (!waited) {
-            tp_pdl_wait();
-            waited = true;
-        }
+        gemv_wait_once(waited);
 #pragma unroll
         for (int u = 0; u < U; ++u)
             gemv_pack<W, R, MT, SILU>(wv[u], xr, k, (u64)(c + u * TP_WAVE) * W::V, acc);
     }
-    if (!waited) {
-        tp_pdl_wait();
-        waited = true;
-    }
+    gemv_wait_once(waited);
     for (; c < packs; c += TP_WAVE) {
         V16 wv[R];
 #pragma unroll
@@ -264,10 +266,7 @@ TP_DEV void gemv(const GemvParams& p) {
             if (p.vec) {
                 gemv_dot_vec<W, R, MT, U, SILU>(wr, xr, p.k, lane, acc, waited);
             } else {
-                if (!waited) {
-                    tp_pdl_wait();
-                    waited = true;
-                }
+                gemv_wait_once(waited);
                 gemv_dot_scalar<W, R, MT, SILU>(wr, xr, p.k, lane, acc);
             }
 #pragma unroll
