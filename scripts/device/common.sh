@@ -11,6 +11,7 @@
 #                           /tmp/tprun-kernel-cache), tprun_nvrtc_link, tprun_devices; sets $t
 #                           to the tprun command line for RANKS ranks on $devices (--timeout,
 #                           default 30 s)
+#   tprun_gpu_apps          how many tprun processes the GPU driver lists as running on a GPU
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 tprun_nvrtc_link() {
@@ -40,6 +41,10 @@ tprun_mps_restart() {
     echo quit | nvidia-cuda-mps-control
     sleep 1
     nvidia-cuda-mps-control -d && echo "MPS daemon restarted"
+}
+
+tprun_gpu_apps() {
+    nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader | grep -c tprun
 }
 
 tprun_job() {

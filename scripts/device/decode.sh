@@ -31,7 +31,6 @@ status=0
 fail() { echo "FAILED: $*"; status=1; }
 # Seconds left before DEADLINE (epoch seconds; default: none): sections that need more skip.
 room() { [ -z "${DEADLINE:-}" ] || [ $(( DEADLINE - $(date +%s) )) -ge "$1" ] || { echo "SKIPPED (time): $2"; return 1; }; }
-gpu_apps() { nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader | grep -c tprun; }
 
 # Max relative difference of two raw f32 logit dumps (same shape).
 cmp_logits() {
@@ -106,7 +105,7 @@ sec_bad() {
     echo "max-seq 2e9: exit $rc: $(grep -m1 '^error' "$out/bad1.err")"; { [ $rc -ne 0 ] && [ $rc -ne 101 ]; } || fail "huge max-seq"
     $bin --backend cuda --ranks 1 decode --model "$stories" --kv-dtype u32 > /dev/null 2>"$out/bad2.err"; rc=$?
     echo "kv-dtype u32: exit $rc: $(grep -m1 '^error' "$out/bad2.err")"; [ $rc -eq 2 ] || fail "kv dtype"
-    sleep 1; echo "tprun processes on the GPU after bad input: $(gpu_apps)"; [ "$(gpu_apps)" -eq 0 ] || fail "left on GPU"
+    sleep 1; echo "tprun processes on the GPU after bad input: $(tprun_gpu_apps)"; [ "$(tprun_gpu_apps)" -eq 0 ] || fail "left on GPU"
 }
 
 sec_kill() {
@@ -131,9 +130,9 @@ sec_kill() {
     wait "$coord"; rc=$?; t1=$(date +%s%N)
     ms=$(( (t1 - t0) / 1000000 )); sleep 1
     awk 'NR % 4 == 1' "$out/kill-timeline.txt" | head -40
-    echo "exit $rc after $ms ms: $(grep -m1 '^error' "$log"); on the GPU after: $(gpu_apps)"
+    echo "exit $rc after $ms ms: $(grep -m1 '^error' "$log"); on the GPU after: $(tprun_gpu_apps)"
     cp "$log" "$out/kill.log"
-    { [ $rc -eq 3 ] && [ $ms -le 2000 ] && [ "$(gpu_apps)" -eq 0 ]; } || { fail "sigkill"; tail -5 "$log"; }
+    { [ $rc -eq 3 ] && [ $ms -le 2000 ] && [ "$(tprun_gpu_apps)" -eq 0 ]; } || { fail "sigkill"; tail -5 "$log"; }
     tprun_mps_restart
 }
 

@@ -26,7 +26,7 @@ for victim in 2 0; do
     grep '^error' "$log"
     sleep 1
     left=$(for p in $all; do [ -d /proc/$p ] && ! grep -q '^State:.*Z' /proc/$p/status 2>/dev/null && echo $p; done | tr '\n' ' ')
-    apps=$(nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader | grep -c tprun)
+    apps=$(tprun_gpu_apps)
     echo "exit $rc after ${ms} ms; ranks still alive: [${left}]; tprun processes on the GPU: $apps"
     if [ "$rc" -ne 3 ] || [ "$ms" -gt 5000 ] || [ -n "$left" ] || [ "$apps" -ne 0 ] || ! grep -q "rank $victim (pid" "$log"; then
         status=1; echo "FAILED"; tail -20 "$log"

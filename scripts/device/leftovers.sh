@@ -14,14 +14,13 @@ status=0
 dirs=(/dev/shm "${TMPDIR:-/tmp}" "${XDG_RUNTIME_DIR:-/run/user/$(id -u)}")
 # Entries of the watched folders, minus what MPS and the kernel cache keep there on purpose.
 snapshot() { for d in "${dirs[@]}"; do ls -A "$d" 2>/dev/null | sed "s|^|$d/|"; done | grep -vE 'tprun-(mps|nvrtc|kernel-cache)|cuda_mps' | sort; }
-gpu_apps() { nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader | grep -c tprun; }
 before=$(snapshot)
 check() {
     sleep 1
     local new procs apps
     new=$(comm -13 <(echo "$before") <(snapshot) | tr '\n' ' ')
     procs=$(pgrep -f "$bin" | tr '\n' ' ')
-    apps=$(gpu_apps)
+    apps=$(tprun_gpu_apps)
     echo "$1: exit $2; new entries: [${new}]; tprun processes: [${procs}]; on the GPU: $apps"
     { [ -z "$new" ] && [ -z "$procs" ] && [ "$apps" -eq 0 ]; } || { echo "FAILED: $1"; status=1; }
 }
