@@ -320,9 +320,11 @@ impl<B> GatedDelta<'_, B> {
 /// Everything between the fused q|k|v projection and attention, for `rows` tokens: splits
 /// `qkv`: [rows, (heads + 2·kv_heads)·head_dim] f32 (this rank's q heads, then k heads, then
 /// v heads) and, per head, applies the optional q/k RMSNorm (Qwen3; weights [head_dim]) and
-/// RoPE at `pos[r]`; writes q to `q`: [rows, heads·head_dim] f32 and k, v to row `pos[r]` of
-/// `k_cache`, `v_cache`: [cap, kv_heads·head_dim] (KV dtype, rounded once). Rows whose
-/// position is `cap` or more are not stored. The result equals RmsNorm + Rope + Copy.
+/// RoPE at `pos[r]` over the head's first `rotary_dim` dims (all of them but in Qwen3.5's
+/// partial RoPE: rotate-half pairs i with i + rotary_dim/2, `inv_freq`: [rotary_dim / 2], the
+/// dims past rotary_dim kept); writes q to `q`: [rows, heads·head_dim] f32 and k, v to row
+/// `pos[r]` of `k_cache`, `v_cache`: [cap, kv_heads·head_dim] (KV dtype, rounded once). Rows
+/// whose position is `cap` or more are not stored. The result equals RmsNorm + Rope + Copy.
 pub struct QkvRope<'a, B> {
     pub qkv: View<'a, B>,
     pub q: View<'a, B>,
@@ -337,6 +339,7 @@ pub struct QkvRope<'a, B> {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    pub rotary_dim: usize,
 }
 
 impl<B> QkvRope<'_, B> {
@@ -367,8 +370,15 @@ impl<B> QkvRope<'_, B> {
             self.k_cache.len,
             Some(self.k_cache.dtype),
         )?;
+        let rd = self.rotary_dim;
+        if rd == 0 || !rd.is_multiple_of(2) || rd > d {
+            return Err(bad(
+                "qkv_rope",
+                format!("rotary_dim {rd} must be even, positive and at most head_dim {d}"),
+            ));
+        }
         expect("qkv_rope", "pos", &self.pos, self.rows, U32)?;
-        expect("qkv_rope", "inv_freq", &self.inv_freq, d / 2, F32)?;
+        expect("qkv_rope", "inv_freq", &self.inv_freq, rd / 2, F32)?;
         if self.q_norm.is_some() != self.k_norm.is_some() {
             return Err(bad("qkv_rope", "q_norm and k_norm come together"));
         }
@@ -466,6 +476,15 @@ pub struct SiluMul<'a, B> {
     pub out: View<'a, B>,
 }
 
+/// `out[i] = x[i] · σ(gate[i])`, `σ(g) = 1 / (1 + e^−g)`: Qwen3.5's attention output gate
+/// (transformers: `attn_output * torch.sigmoid(gate)`); f32, same length; `out` may be `x`
+/// or `gate`.
+pub struct SigmoidMul<'a, B> {
+    pub x: View<'a, B>,
+    pub gate: View<'a, B>,
+    pub out: View<'a, B>,
+}
+
 /// `out[i] = a[i] + b[i]`; f32, same length; `out` may be `a` or `b`.
 pub struct Add<'a, B> {
     pub a: View<'a, B>,
@@ -482,6 +501,12 @@ fn same3<B>(op: &str, a: &View<'_, B>, b: &View<'_, B>, out: &View<'_, B>) -> Re
 impl<B> SiluMul<'_, B> {
     pub fn validate(&self) -> Result<()> {
         same3("silu_mul", &self.gate, &self.up, &self.out)
+    }
+}
+
+impl<B> SigmoidMul<'_, B> {
+    pub fn validate(&self) -> Result<()> {
+        same3("sigmoid_mul", &self.x, &self.gate, &self.out)
     }
 }
 

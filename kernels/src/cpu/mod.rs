@@ -127,6 +127,7 @@ impl Device for CpuDevice {
             Op::CausalConv(a) => ops::delta::causal_conv(a),
             Op::GatedRmsNorm(a) => ops::delta::gated_rms_norm(a),
             Op::SiluMul(a) => ops::elementwise::silu_mul(self, &a.gate, &a.up, &a.out),
+            Op::SigmoidMul(a) => ops::elementwise::sigmoid_mul(self, &a.x, &a.gate, &a.out),
             Op::Add(a) => ops::elementwise::add(self, &a.a, &a.b, &a.out),
             Op::Matmul(a) => ops::decode::matmul(self, a),
             Op::ShardTopK(a) => ops::decode::shard_topk(a),

@@ -399,6 +399,15 @@ fn rope(l: &Launcher<'_>, a: &ops::Rope<'_, CudaBuf>) -> Result<()> {
 }
 
 fn qkv_rope(l: &Launcher<'_>, a: &ops::QkvRope<'_, CudaBuf>) -> Result<()> {
+    if a.rotary_dim != a.head_dim {
+        // Qwen3.5's partial RoPE: the CPU twin has it, decode.cu not yet.
+        return Err(KernelError::Unavailable {
+            backend: "cuda",
+            why: "no CUDA kernel for qkv_rope with partial RoPE (rotary_dim < head_dim) in \
+                  decode.cu"
+                .into(),
+        });
+    }
     let norm_addr = |v: &Option<View<'_, CudaBuf>>| -> Result<(u64, u32)> {
         match v {
             Some(v) => Ok((addr(v)?, dtype_index(v.dtype)? as u32)),
@@ -893,6 +902,7 @@ impl TwinCase for QkvCase {
             heads: self.heads,
             kv_heads: self.kv_heads,
             head_dim: self.head_dim,
+            rotary_dim: self.head_dim,
         })
     }
     fn tol(&self) -> Tol {

@@ -900,6 +900,7 @@ impl<D: Device> Model<D> {
                 heads: nqh,
                 kv_heads: nkvh,
                 head_dim: d,
+                rotary_dim: d,
             }))?;
             // att = softmax(q·kᵀ / √d + causal mask) · v
             dev.run(&Op::Attention(ops::Attention {

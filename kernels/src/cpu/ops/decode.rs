@@ -66,7 +66,15 @@ pub(crate) fn rope(dev: &CpuDevice, a: &ops::Rope<'_, CpuBuf>) -> Result<()> {
     let row = a.heads * a.head_dim;
     for (r0, n, p0) in runs(&read_u32(&a.pos)?) {
         let x = a.x.slice(r0 * row, n * row);
-        rope_rows(dev, &x, &a.inv_freq, n, a.heads, a.head_dim, p0)?;
+        rope_rows(
+            dev,
+            &x,
+            &a.inv_freq,
+            n,
+            a.heads,
+            (a.head_dim, a.head_dim),
+            p0,
+        )?;
     }
     Ok(())
 }
@@ -94,8 +102,9 @@ pub(crate) fn qkv_rope(dev: &CpuDevice, a: &ops::QkvRope<'_, CpuBuf>) -> Result<
             rms_norm(dev, &q, qn, &q, a.heads, d, a.eps)?;
             rms_norm(dev, &kv, kn, &kv, a.kv_heads, d, a.eps)?;
         }
-        rope_rows(dev, &q, &a.inv_freq, 1, a.heads, d, p as usize)?;
-        rope_rows(dev, &kv, &a.inv_freq, 1, a.kv_heads, d, p as usize)?;
+        let dims = (d, a.rotary_dim);
+        rope_rows(dev, &q, &a.inv_freq, 1, a.heads, dims, p as usize)?;
+        rope_rows(dev, &kv, &a.inv_freq, 1, a.kv_heads, dims, p as usize)?;
         if (p as usize) < cap {
             let at = p as usize * nkv;
             super::super::reduce::copy(dev, &kv, &a.k_cache.slice(at, nkv))?;
@@ -424,6 +433,7 @@ mod tests {
             heads,
             kv_heads: kvh,
             head_dim: d,
+            rotary_dim: d,
         }))
         .unwrap();
         // The same through the plain ops: v is stored unrotated, k rotated.
@@ -444,12 +454,72 @@ mod tests {
             &View::new(&invb, 0, d / 2, DType::F32),
             1,
             kvh,
-            d,
+            (d, d),
             7,
         )
         .unwrap();
         let want = rounded(DType::BF16, &download(&dev, &kb, DType::F32, kvh * d));
         let keys = download(&dev, &kc, DType::BF16, cap * kvh * d);
         assert_eq!(&keys[7 * kvh * d..8 * kvh * d], &want[..]);
+    }
+
+    /// Qwen3.5's partial RoPE: the first rotary_dim dims of each head rotate (i with
+    /// i + rotary_dim/2, frequencies over rotary_dim), the rest pass through; against f64.
+    #[test]
+    fn qkv_rope_rotates_only_the_first_rotary_dims() {
+        let dev = CpuDevice::new(0, 1, 10);
+        let mut rng = Rng::new(9);
+        let (heads, kvh, d, rd, cap) = (2, 1, 16, 4, 8);
+        let w = (heads + 2 * kvh) * d;
+        let qkv = rng.vec_sym(w);
+        let inv: Vec<f32> = (0..rd / 2)
+            .map(|i| (1.0 / 1e7f64.powf(2.0 * i as f64 / rd as f64)) as f32)
+            .collect();
+        let (qkvb, invb, posb) = (
+            upload(&dev, DType::F32, &qkv),
+            upload(&dev, DType::F32, &inv),
+            u32buf(&dev, &[3]),
+        );
+        let q = dev.alloc(heads * d * 4).unwrap();
+        let (kc, vc) = (
+            dev.alloc(cap * kvh * d * 4).unwrap(),
+            dev.alloc(cap * kvh * d * 4).unwrap(),
+        );
+        dev.run(&Op::QkvRope(ops::QkvRope {
+            qkv: View::new(&qkvb, 0, w, DType::F32),
+            q: View::new(&q, 0, heads * d, DType::F32),
+            k_cache: View::new(&kc, 0, cap * kvh * d, DType::F32),
+            v_cache: View::new(&vc, 0, cap * kvh * d, DType::F32),
+            pos: View::new(&posb, 0, 1, DType::U32),
+            inv_freq: View::new(&invb, 0, rd / 2, DType::F32),
+            q_norm: None,
+            k_norm: None,
+            eps: 1e-6,
+            rows: 1,
+            heads,
+            kv_heads: kvh,
+            head_dim: d,
+            rotary_dim: rd,
+        }))
+        .unwrap();
+        let want = |x: &[f32]| -> Vec<f64> {
+            let mut o: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+            for i in 0..rd / 2 {
+                let a = 3.0 * inv[i] as f64;
+                let (x1, x2) = (x[i] as f64, x[i + rd / 2] as f64);
+                o[i] = x1 * a.cos() - x2 * a.sin();
+                o[i + rd / 2] = x2 * a.cos() + x1 * a.sin();
+            }
+            o
+        };
+        let got = download(&dev, &q, DType::F32, heads * d);
+        for h in 0..heads {
+            let e = max_err(&got[h * d..(h + 1) * d], &want(&qkv[h * d..(h + 1) * d]));
+            assert!(e < 1e-6, "head {h}: {e:e}");
+            assert_eq!(&got[h * d + rd..(h + 1) * d], &qkv[h * d + rd..(h + 1) * d]);
+        }
+        let keys = download(&dev, &kc, DType::F32, cap * kvh * d);
+        let k = &qkv[heads * d..(heads + 1) * d];
+        assert!(max_err(&keys[3 * d..4 * d], &want(k)) < 1e-6);
     }
 }

@@ -1,5 +1,5 @@
-//! Elementwise decode ops: `Fill`, `Add` (the residual add) and `SiluMul` (the gated MLP's
-//! `silu(gate) · up`).
+//! Elementwise decode ops: `Fill`, `Add` (the residual add), `SiluMul` (the gated MLP's
+//! `silu(gate) · up`) and `SigmoidMul` (Qwen3.5's attention output gate, `x · σ(gate)`).
 
 use super::super::{par_ranges, CpuBuf, CpuDevice};
 use super::{f32_ptr, same_or_disjoint};
@@ -78,6 +78,18 @@ pub(crate) fn silu_mul(
     })
 }
 
+pub(crate) fn sigmoid_mul(
+    dev: &CpuDevice,
+    x: &View<'_, CpuBuf>,
+    gate: &View<'_, CpuBuf>,
+    out: &View<'_, CpuBuf>,
+) -> Result<()> {
+    // x · torch.sigmoid(g), sigmoid(g) = 1 / (1 + e^-g).
+    binary(dev, x, gate, out, "sigmoid_mul", |x, g| {
+        x / (1.0 + (-g).exp())
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
@@ -124,6 +136,31 @@ mod tests {
                 .map(|(&x, &y)| x as f64 + y as f64)
                 .collect();
             assert!(max_err(&download(&dev, &ba, DType::F32, n), &want) < 1e-6);
+        }
+    }
+
+    #[test]
+    fn sigmoid_mul_matches_f64_in_place() {
+        let dev = CpuDevice::new(0, 2, 10);
+        let mut rng = Rng::new(2);
+        for n in [1usize, 33, 200_000] {
+            let x = rng.vec_sym(n);
+            let g = rng.vec_sym(n).iter().map(|v| v * 12.0).collect::<Vec<_>>();
+            let (bx, bg) = (upload(&dev, DType::F32, &x), upload(&dev, DType::F32, &g));
+            let vx = View::new(&bx, 0, n, DType::F32);
+            let vg = View::new(&bg, 0, n, DType::F32);
+            dev.run(&Op::SigmoidMul(crate::ops::SigmoidMul {
+                x: vx,
+                gate: vg,
+                out: vx,
+            }))
+            .unwrap();
+            let want: Vec<f64> = x
+                .iter()
+                .zip(&g)
+                .map(|(&x, &g)| x as f64 / (1.0 + (-(g as f64)).exp()))
+                .collect();
+            assert!(max_err(&download(&dev, &bx, DType::F32, n), &want) < 1e-6);
         }
     }
 

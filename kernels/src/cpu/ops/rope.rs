@@ -1,5 +1,6 @@
 //! `Rope`: rotary position embedding in Hugging Face's "rotate halves" layout (element `i`
-//! pairs with `i + head_dim/2`), in place.
+//! pairs with `i + rotary_dim/2`), in place, over the first `rotary_dim` dims of each head
+//! (all of them but for Qwen3.5's partial RoPE, whose other dims pass through).
 //!
 //! The angle is `pos · inv_freq[i]` rounded to f32, as transformers computes it (an f32
 //! matmul of inv_freq and positions); its cos and sin are taken in f64 and rounded, which is
@@ -15,13 +16,17 @@ pub(crate) fn rope(
     inv_freq: &View<'_, CpuBuf>,
     rows: usize,
     heads: usize,
-    head_dim: usize,
+    (head_dim, rotary_dim): (usize, usize),
     pos0: usize,
 ) -> Result<()> {
-    let half = head_dim / 2;
-    if head_dim == 0 || !head_dim.is_multiple_of(2) || inv_freq.len < half {
+    let half = rotary_dim / 2;
+    if rotary_dim == 0
+        || !rotary_dim.is_multiple_of(2)
+        || rotary_dim > head_dim
+        || inv_freq.len < half
+    {
         return Err(KernelError::Invalid(format!(
-            "rope: head_dim {head_dim} with {} inverse frequencies",
+            "rope: head_dim {head_dim}, rotary_dim {rotary_dim} with {} inverse frequencies",
             inv_freq.len
         )));
     }
@@ -50,7 +55,7 @@ pub(crate) fn rope(
                             head_dim,
                         )
                     };
-                    let (lo, hi) = v.split_at_mut(half);
+                    let (lo, hi) = v[..rotary_dim].split_at_mut(half);
                     for ((a, b), &(c, s)) in lo.iter_mut().zip(hi.iter_mut()).zip(&cs) {
                         let (x1, x2) = (*a, *b);
                         *a = x1 * c - x2 * s;
