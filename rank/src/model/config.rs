@@ -4,7 +4,9 @@
 //!
 //! Supported `architectures`: `LlamaForCausalLM` (Llama 2/3, incl. `rope_scaling` type
 //! `llama3`), `MistralForCausalLM`, `Qwen2ForCausalLM` (bias on q/k/v), `Qwen3ForCausalLM`
-//! (per-head RMSNorm on q and k, explicit `head_dim`). Sliding-window attention (Mistral,
+//! (per-head RMSNorm on q and k, explicit `head_dim`), and the gated DeltaNet hybrid Qwen3.5
+//! (`Qwen3_5ForCausalLM`, and the text part of `Qwen3_5ForConditionalGeneration`, whose text
+//! settings sit under `text_config`; see [`Hybrid`]). Sliding-window attention (Mistral,
 //! Qwen2's `use_sliding_window`) is not implemented: attention is always over the whole
 //! context, which is what those models do within their window.
 
@@ -22,27 +24,86 @@ pub enum Arch {
     Mistral,
     Qwen2,
     Qwen3,
+    /// Qwen3.5: gated DeltaNet layers with a full-attention layer every few
+    /// ([`ModelConfig::hybrid`] holds the rest).
+    Qwen3_5,
 }
 
 impl Arch {
-    /// The `architectures[0]` name in config.json.
+    pub const ALL: [Arch; 5] = [
+        Arch::Llama,
+        Arch::Mistral,
+        Arch::Qwen2,
+        Arch::Qwen3,
+        Arch::Qwen3_5,
+    ];
+
+    /// The `architectures[0]` name in config.json (Qwen3.5's text-only class; the multimodal
+    /// checkpoints say `Qwen3_5ForConditionalGeneration`, [`Hybrid::multimodal`]).
     pub fn hf_name(self) -> &'static str {
         match self {
             Arch::Llama => "LlamaForCausalLM",
             Arch::Mistral => "MistralForCausalLM",
             Arch::Qwen2 => "Qwen2ForCausalLM",
             Arch::Qwen3 => "Qwen3ForCausalLM",
+            Arch::Qwen3_5 => "Qwen3_5ForCausalLM",
         }
     }
 
-    /// The `model_type` in config.json.
+    /// The `model_type` in config.json (Qwen3.5's multimodal config says `qwen3_5` and its
+    /// `text_config` `qwen3_5_text`).
     pub fn model_type(self) -> &'static str {
         match self {
             Arch::Llama => "llama",
             Arch::Mistral => "mistral",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Qwen3_5 => "qwen3_5",
         }
+    }
+}
+
+/// The token mixer of one decoder layer (Qwen3.5's `layer_types`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerKind {
+    /// `full_attention`: softmax attention over the KV cache.
+    Attention,
+    /// `linear_attention`: a gated DeltaNet with a recurrent state.
+    Delta,
+}
+
+/// What a gated DeltaNet hybrid (Qwen3.5) adds to the config, as transformers'
+/// `Qwen3_5TextConfig` and `modeling_qwen3_5.py` read it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Hybrid {
+    /// Each layer's mixer (`layer_types`; else every `full_attention_interval`-th layer,
+    /// counting from 1, is attention: layer i is attention when (i + 1) % interval == 0).
+    pub kinds: Vec<LayerKind>,
+    /// `linear_num_key_heads`: DeltaNet q/k heads.
+    pub k_heads: usize,
+    /// `linear_num_value_heads`: DeltaNet value heads (a multiple of `k_heads`; value head h
+    /// reads key head h / (v_heads / k_heads)).
+    pub v_heads: usize,
+    /// `linear_key_head_dim`, `linear_value_head_dim`.
+    pub dk: usize,
+    pub dv: usize,
+    /// `linear_conv_kernel_dim`: taps of the causal depthwise conv.
+    pub conv_kernel: usize,
+    /// Dimensions of each attention head that RoPE rotates: `head_dim · partial_rotary_factor`
+    /// (the first ones; rotate-half pairs i with i + rotary_dim / 2).
+    pub rotary_dim: usize,
+    /// `attn_output_gate`: q_proj gives per head [query | gate], and attention's output is
+    /// multiplied by σ(gate) before o_proj.
+    pub attn_gate: bool,
+    /// `Qwen3_5ForConditionalGeneration`: the text weights are under `model.language_model.`
+    /// (else `model.`), beside `model.visual.*` (not read).
+    pub multimodal: bool,
+}
+
+impl Hybrid {
+    /// Width of the DeltaNet q|k|v (the conv's channels): 2·k_heads·dk + v_heads·dv.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.k_heads * self.dk + self.v_heads * self.dv
     }
 }
 
@@ -89,6 +150,8 @@ pub struct ModelConfig {
     pub bos: Option<u32>,
     /// Generation stops at any of these (generation_config.json, else config.json).
     pub eos: Vec<u32>,
+    /// Qwen3.5's DeltaNet layers and attention extras; `None` for the plain transformers.
+    pub hybrid: Option<Hybrid>,
 }
 
 // ---- bounds ------------------------------------------------------------------------------
@@ -103,6 +166,8 @@ pub const MAX_LAYERS: usize = 1024;
 /// Widest `hidden_size`, `intermediate_size` and `num_attention_heads · head_dim`: 2^18,
 /// about 5 × Llama 3.1 405B's intermediate size (53248), the widest supported.
 pub const MAX_WIDTH: usize = 1 << 18;
+/// Longest `linear_conv_kernel_dim`: 16 × Qwen3.5's 4.
+pub const MAX_CONV_KERNEL: usize = 64;
 /// Most `num_attention_heads`: 8 × Llama 3.1 405B's 128.
 pub const MAX_HEADS: usize = 1024;
 /// Widest `head_dim`: 4 × the widest supported (256).
@@ -294,26 +359,43 @@ impl ModelConfig {
             Some(_) => return Err(f.err("architectures", "expected a non-empty list of strings")),
             None => return Err(f.err("architectures", "missing")),
         };
-        let arch = [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3]
+        let multimodal = arch_name == "Qwen3_5ForConditionalGeneration";
+        let arch = Arch::ALL
             .into_iter()
-            .find(|a| a.hf_name() == arch_name)
+            .find(|a| a.hf_name() == arch_name || (multimodal && *a == Arch::Qwen3_5))
             .ok_or_else(|| {
-                // The hybrid families have their ops (kernels: GatedDelta, CausalConv,
-                // GatedRmsNorm) and their GPTQ loader (gptq.rs), not yet a model.
-                let hybrid = arch_name.starts_with("Qwen3_5") || arch_name.starts_with("Qwen3Next");
+                // Qwen3-Next (a mixture of experts around the same DeltaNet) has its ops but
+                // not its experts.
+                let next = arch_name.starts_with("Qwen3Next");
                 unsupported(
                     "architectures",
                     format!("{arch_name:?}"),
-                    if hybrid {
+                    if next {
                         "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, \
-                         Qwen3ForCausalLM; the gated DeltaNet hybrids (Qwen3.5, Qwen3-Next) are \
-                         not yet wired into decode"
+                         Qwen3ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration; \
+                         the gated DeltaNet mixture of experts (Qwen3-Next) is not yet wired \
+                         into decode"
                     } else {
                         "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, \
-                         Qwen3ForCausalLM"
+                         Qwen3ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration"
                     },
                 )
             })?;
+        // Qwen3.5's multimodal config nests the text model's settings under `text_config`:
+        // read those, with the top level's as defaults (tie_word_embeddings lives there).
+        let merged;
+        let f = match f.get("text_config") {
+            Some(Value::Object(tc)) if arch == Arch::Qwen3_5 => {
+                let mut m = obj.clone();
+                m.extend(tc.iter().map(|(k, v)| (k.clone(), v.clone())));
+                merged = m;
+                Fields { file, obj: &merged }
+            }
+            Some(v) if arch == Arch::Qwen3_5 => {
+                return Err(f.err("text_config", format!("expected an object, got {v}")))
+            }
+            _ => f,
+        };
 
         // Every dimension within its bound, and consistent with the others, before the
         // config is returned to anything that sizes a buffer or a loop by it.
@@ -377,6 +459,8 @@ impl ModelConfig {
             }
         }
         let rope_scaling = match f.get("rope_scaling") {
+            // Qwen3.5's rope settings (and its mrope sections) are read by `parse_hybrid`.
+            _ if arch == Arch::Qwen3_5 => None,
             None => None,
             Some(Value::Object(rs)) => {
                 let rf = Fields { file, obj: rs };
@@ -447,6 +531,13 @@ impl ModelConfig {
                 format!("{rms_eps} is 0 in f32, the kernels' precision"),
             ));
         }
+        let (hybrid, rope_theta) = match arch {
+            Arch::Qwen3_5 => {
+                let (h, theta) = parse_hybrid(&f, layers, heads, head_dim, multimodal)?;
+                (Some(h), theta)
+            }
+            _ => (None, f.positive_or("rope_theta", 10000.0, None)?),
+        };
         Ok(ModelConfig {
             arch,
             hidden,
@@ -458,22 +549,43 @@ impl ModelConfig {
             vocab,
             max_positions,
             rms_eps: rms_eps as f32,
-            rope_theta: f.positive_or("rope_theta", 10000.0, None)?,
+            rope_theta,
             rope_scaling,
             qkv_bias: arch == Arch::Qwen2,
-            qk_norm: arch == Arch::Qwen3,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3_5),
             tie_embeddings: f.bool_or("tie_word_embeddings", false)?,
             dtype,
             bos: f.ids("bos_token_id")?.and_then(|v| v.first().copied()),
             eos: f.ids("eos_token_id")?.unwrap_or_default(),
+            hybrid,
         })
     }
 
-    /// RoPE inverse frequencies `1 / theta^(2i / head_dim)` for `i < head_dim / 2`, with
-    /// `llama3` scaling applied, rounded to f32 as transformers stores them.
+    /// Each layer's mixer: all attention unless the model is a hybrid.
+    pub fn kind(&self, layer: usize) -> LayerKind {
+        match &self.hybrid {
+            Some(h) => h.kinds[layer],
+            None => LayerKind::Attention,
+        }
+    }
+
+    /// Whether the RMSNorm weights are stored zero-centred (Qwen3.5: the norm multiplies by
+    /// 1 + w, in f32; the loader adds the 1 so that the norm ops stay `· w`).
+    pub fn zero_centred_norms(&self) -> bool {
+        self.arch == Arch::Qwen3_5
+    }
+
+    /// Dimensions of each head that RoPE rotates (all of them but in Qwen3.5).
+    pub fn rotary_dim(&self) -> usize {
+        self.hybrid.as_ref().map_or(self.head_dim, |h| h.rotary_dim)
+    }
+
+    /// RoPE inverse frequencies `1 / theta^(2i / rotary_dim)` for `i < rotary_dim / 2`
+    /// (rotary_dim = head_dim but in Qwen3.5), with `llama3` scaling applied, rounded to f32
+    /// as transformers stores them.
     pub fn inv_freq(&self) -> Vec<f32> {
-        let d = self.head_dim as f64;
-        (0..self.head_dim / 2)
+        let d = self.rotary_dim() as f64;
+        (0..self.rotary_dim() / 2)
             .map(|i| {
                 // transformers: 1.0 / (base ** (arange(0, dim, 2).float() / dim)), in f32.
                 let expo = ((2 * i) as f32 / d as f32) as f64;
@@ -547,8 +659,215 @@ impl ModelConfig {
         if self.arch == Arch::Qwen2 {
             v["use_sliding_window"] = Value::Bool(false);
         }
-        v
+        match &self.hybrid {
+            Some(h) => hybrid_json(self, h, v),
+            None => v,
+        }
     }
+}
+
+/// Qwen3.5's settings beyond the transformer's (transformers' `Qwen3_5TextConfig`), and its
+/// rope theta: `rope_parameters` (or the older `rope_scaling`) holds `rope_theta` and
+/// `partial_rotary_factor` (either may also sit at the top level; defaults 10000 and 0.25, as
+/// the config class); its `mrope_section` splits the rotary dims between the temporal, height
+/// and width positions of images, which for text are all the token's position, so the
+/// sections collapse to plain RoPE.
+fn parse_hybrid(
+    f: &Fields<'_>,
+    layers: usize,
+    heads: usize,
+    head_dim: usize,
+    multimodal: bool,
+) -> Result<(Hybrid, f64), ModelError> {
+    let unsupported = |field: &str, value: String, supported: &str| ModelError::Unsupported {
+        file: f.file.to_path_buf(),
+        field: field.into(),
+        value,
+        supported: supported.into(),
+    };
+    let (mut theta, mut factor) = (None, None);
+    for key in ["rope_parameters", "rope_scaling"] {
+        match f.get(key) {
+            None => {}
+            Some(Value::Object(rp)) => {
+                let rf = Fields {
+                    file: f.file,
+                    obj: rp,
+                };
+                let kind = match rf.str_opt("rope_type")? {
+                    Some(k) => k,
+                    None => rf.str_opt("type")?.unwrap_or("default"),
+                };
+                if !matches!(kind, "default" | "mrope") {
+                    return Err(unsupported(
+                        &format!("{key}.rope_type"),
+                        format!("{kind:?}"),
+                        "supported for Qwen3.5: default (its mrope sections are plain RoPE for \
+                         text)",
+                    ));
+                }
+                if rf.get("rope_theta").is_some() {
+                    theta = Some(rf.positive_or("rope_theta", 0.0, None)?);
+                }
+                if rf.get("partial_rotary_factor").is_some() {
+                    factor =
+                        Some(rf.positive_or("partial_rotary_factor", 0.0, Some(1.0 + 1e-9))?);
+                }
+                break;
+            }
+            Some(v) => return Err(f.err(key, format!("expected an object or null, got {v}"))),
+        }
+    }
+    let theta = match theta {
+        Some(t) => t,
+        None => f.positive_or("rope_theta", 10000.0, None)?,
+    };
+    let factor = match factor {
+        Some(p) => p,
+        None => f.positive_or("partial_rotary_factor", 0.25, Some(1.0 + 1e-9))?,
+    };
+    // transformers: dim = int(head_dim * partial_rotary_factor).
+    let rotary_dim = (head_dim as f64 * factor) as usize;
+    if rotary_dim < 2 || !rotary_dim.is_multiple_of(2) {
+        return Err(f.err(
+            "partial_rotary_factor",
+            format!(
+                "{factor} of head_dim {head_dim} is {rotary_dim} dims: must be even and at least 2"
+            ),
+        ));
+    }
+    let kinds = match f.get("layer_types") {
+        Some(Value::Array(a)) => {
+            if a.len() != layers {
+                return Err(f.err(
+                    "layer_types",
+                    format!("{} entries for num_hidden_layers {layers}", a.len()),
+                ));
+            }
+            a.iter()
+                .map(|v| match v.as_str() {
+                    Some("full_attention") => Ok(LayerKind::Attention),
+                    Some("linear_attention") => Ok(LayerKind::Delta),
+                    _ => Err(unsupported(
+                        "layer_types",
+                        v.to_string(),
+                        "each \"full_attention\" or \"linear_attention\"",
+                    )),
+                })
+                .collect::<Result<Vec<_>, _>>()?
+        }
+        Some(v) => return Err(f.err("layer_types", format!("expected a list, got {v}"))),
+        None => {
+            let every = f
+                .bounded_opt("full_attention_interval", MAX_LAYERS)?
+                .unwrap_or(4);
+            (0..layers)
+                .map(|i| match (i + 1) % every {
+                    0 => LayerKind::Attention,
+                    _ => LayerKind::Delta,
+                })
+                .collect()
+        }
+    };
+    let k_heads = f
+        .bounded_opt("linear_num_key_heads", MAX_HEADS)?
+        .unwrap_or(16);
+    let v_heads = f
+        .bounded_opt("linear_num_value_heads", MAX_HEADS)?
+        .unwrap_or(32);
+    if !v_heads.is_multiple_of(k_heads) {
+        return Err(f.err(
+            "linear_num_value_heads",
+            format!("{v_heads} is not a multiple of linear_num_key_heads {k_heads}"),
+        ));
+    }
+    let h = Hybrid {
+        kinds,
+        k_heads,
+        v_heads,
+        dk: f
+            .bounded_opt("linear_key_head_dim", MAX_HEAD_DIM)?
+            .unwrap_or(128),
+        dv: f
+            .bounded_opt("linear_value_head_dim", MAX_HEAD_DIM)?
+            .unwrap_or(128),
+        conv_kernel: f
+            .bounded_opt("linear_conv_kernel_dim", MAX_CONV_KERNEL)?
+            .unwrap_or(4),
+        rotary_dim,
+        attn_gate: f.bool_or("attn_output_gate", true)?,
+        multimodal,
+    };
+    if h.conv_kernel < 2 {
+        return Err(f.err("linear_conv_kernel_dim", "must be at least 2"));
+    }
+    if h.conv_dim() > MAX_WIDTH || 2 * heads * head_dim > MAX_WIDTH {
+        return Err(f.err(
+            "linear_num_value_heads",
+            format!(
+                "the DeltaNet q|k|v width {} is wider than {MAX_WIDTH}",
+                h.conv_dim()
+            ),
+        ));
+    }
+    Ok((h, theta))
+}
+
+/// `v` (a flat config.json) in Qwen3.5's layout: its DeltaNet fields and `rope_parameters`
+/// added and, for the multimodal class, nested under `text_config` as the official
+/// checkpoints are (Qwen/Qwen3.5-27B: `Qwen3_5ForConditionalGeneration`, vision settings
+/// beside; `tprun` reads none of them).
+fn hybrid_json(c: &ModelConfig, h: &Hybrid, mut v: Value) -> Value {
+    use serde_json::json;
+    let o = v.as_object_mut().expect("an object");
+    for k in ["rope_theta", "rope_scaling", "architectures"] {
+        o.remove(k);
+    }
+    let kinds: Vec<&str> = h
+        .kinds
+        .iter()
+        .map(|k| match k {
+            LayerKind::Attention => "full_attention",
+            LayerKind::Delta => "linear_attention",
+        })
+        .collect();
+    let factor = h.rotary_dim as f64 / c.head_dim as f64;
+    let mut rope = json!({
+        "rope_type": "default",
+        "rope_theta": c.rope_theta,
+        "partial_rotary_factor": factor,
+    });
+    // Qwen3.5-27B's sections (11 + 11 + 10 = 32 = its rotary_dim / 2); any other rotary
+    // width leaves them to transformers' default, which text never reads.
+    if h.rotary_dim == 64 {
+        rope["mrope_section"] = json!([11, 11, 10]);
+        rope["mrope_interleaved"] = json!(true);
+    }
+    o.insert("model_type".into(), json!("qwen3_5_text"));
+    o.insert("layer_types".into(), json!(kinds));
+    o.insert("linear_num_key_heads".into(), json!(h.k_heads));
+    o.insert("linear_num_value_heads".into(), json!(h.v_heads));
+    o.insert("linear_key_head_dim".into(), json!(h.dk));
+    o.insert("linear_value_head_dim".into(), json!(h.dv));
+    o.insert("linear_conv_kernel_dim".into(), json!(h.conv_kernel));
+    o.insert("attn_output_gate".into(), json!(h.attn_gate));
+    o.insert("partial_rotary_factor".into(), json!(factor));
+    o.insert("rope_parameters".into(), rope);
+    o.insert("attention_bias".into(), json!(false));
+    if !h.multimodal {
+        o.insert("architectures".into(), json!([Arch::Qwen3_5.hf_name()]));
+        return v;
+    }
+    json!({
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "tie_word_embeddings": c.tie_embeddings,
+        "torch_dtype": v.get("torch_dtype").cloned().unwrap_or(Value::Null),
+        "text_config": v,
+        // Qwen3.5-27B's vision tower settings, for the layout's sake.
+        "vision_config": {"model_type": "qwen3_5_vision", "depth": 27, "hidden_size": 1152,
+                          "num_heads": 16, "out_hidden_size": c.hidden},
+    })
 }
 
 /// The f64 whose shortest decimal is `x`'s shortest decimal (1e-5 for the f32 nearest 1e-5).
@@ -603,6 +922,140 @@ mod tests {
         v["head_dim"] = serde_json::json!(16);
         let c = parse(v).unwrap();
         assert!(c.qk_norm && c.head_dim == 16);
+    }
+
+    /// Qwen/Qwen3.5-27B's config.json (its text_config; the vision settings trimmed).
+    fn qwen35_27b() -> Value {
+        serde_json::json!({
+            "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+            "tie_word_embeddings": false, "eos_token_id": 248046,
+            "text_config": {
+                "attention_bias": false, "attn_output_gate": true, "eos_token_id": 248044,
+                "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu",
+                "hidden_size": 5120, "intermediate_size": 17408, "linear_conv_kernel_dim": 4,
+                "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+                "linear_num_value_heads": 48, "linear_value_head_dim": 128,
+                "max_position_embeddings": 262144, "model_type": "qwen3_5_text",
+                "num_attention_heads": 24, "num_hidden_layers": 64, "num_key_value_heads": 4,
+                "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-6, "dtype": "bfloat16",
+                "rope_parameters": {"mrope_interleaved": true, "mrope_section": [11, 11, 10],
+                    "partial_rotary_factor": 0.25, "rope_theta": 10000000, "rope_type": "default"},
+                "vocab_size": 248320
+            },
+            "vision_config": {"depth": 27, "hidden_size": 1152}
+        })
+    }
+
+    #[test]
+    fn qwen35_nested_text_config_parses() {
+        let c = parse(qwen35_27b()).unwrap();
+        let h = c.hybrid.clone().unwrap();
+        assert_eq!(
+            (
+                c.arch,
+                c.hidden,
+                c.intermediate,
+                c.layers,
+                c.heads,
+                c.kv_heads,
+                c.head_dim
+            ),
+            (Arch::Qwen3_5, 5120, 17408, 64, 24, 4, 256)
+        );
+        assert_eq!(
+            (c.vocab, c.rope_theta, c.eos.clone()),
+            (248320, 1e7, vec![248044])
+        );
+        assert!(h.multimodal && h.attn_gate && c.qk_norm && !c.tie_embeddings);
+        assert_eq!((h.k_heads, h.v_heads, h.dk, h.dv), (16, 48, 128, 128));
+        assert_eq!((h.conv_kernel, h.rotary_dim), (4, 64));
+        // Every 4th layer (3, 7, …) is attention.
+        let attn: Vec<usize> = (0..64)
+            .filter(|&i| c.kind(i) == LayerKind::Attention)
+            .collect();
+        assert_eq!(attn, (0..16).map(|j| 4 * j + 3).collect::<Vec<_>>());
+        // inv_freq over the 64 rotated dims.
+        let f = c.inv_freq();
+        assert_eq!(f.len(), 32);
+        assert_eq!(f[1], (1.0 / 1e7f64.powf((2.0f32 / 64.0) as f64)) as f32);
+        // What synth writes (the nested layout) parses back to the same config, and so does
+        // the flat text-only layout.
+        assert_eq!(parse(c.to_json()).unwrap(), c);
+        let mut flat = c.clone();
+        flat.hybrid.as_mut().unwrap().multimodal = false;
+        let j = flat.to_json();
+        assert_eq!(j["architectures"][0], "Qwen3_5ForCausalLM");
+        assert_eq!(parse(j).unwrap(), flat);
+        // Explicit layer_types win over the interval.
+        let mut v = qwen35_27b();
+        let mut kinds = vec!["linear_attention"; 64];
+        kinds[0] = "full_attention";
+        v["text_config"]["layer_types"] = serde_json::json!(kinds);
+        let c = parse(v).unwrap();
+        assert_eq!(
+            (c.kind(0), c.kind(3)),
+            (LayerKind::Attention, LayerKind::Delta)
+        );
+    }
+
+    #[test]
+    fn qwen35_bad_values_are_one_clear_line() {
+        let cases: &[(&str, Value, &str)] = &[
+            (
+                "linear_num_value_heads",
+                serde_json::json!(40),
+                "linear_num_key_heads",
+            ),
+            ("linear_num_key_heads", serde_json::json!(0), "out of range"),
+            (
+                "layer_types",
+                serde_json::json!(["full_attention"]),
+                "1 entries",
+            ),
+            (
+                "layer_types",
+                serde_json::json!(vec!["sliding"; 64]),
+                "linear_attention",
+            ),
+            ("partial_rotary_factor", serde_json::json!(0.001), "even"),
+            ("linear_conv_kernel_dim", serde_json::json!(1), "at least 2"),
+            (
+                "rope_parameters",
+                serde_json::json!({"rope_type": "yarn"}),
+                "yarn",
+            ),
+            (
+                "rope_parameters",
+                serde_json::json!({"rope_theta": -1.0}),
+                "`rope_theta`",
+            ),
+            (
+                "attn_output_gate",
+                serde_json::json!("yes"),
+                "true or false",
+            ),
+        ];
+        for (field, value, says) in cases {
+            let mut v = qwen35_27b();
+            if *field == "partial_rotary_factor" {
+                v["text_config"]["rope_parameters"]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("partial_rotary_factor");
+            }
+            v["text_config"][*field] = value.clone();
+            let e = parse(v)
+                .expect_err(&format!("{field} = {value}"))
+                .to_string();
+            let named = e.contains(field) || *field == "rope_parameters";
+            assert!(
+                named && e.contains(says) && !e.contains('\n'),
+                "{field} = {value}: {e}"
+            );
+        }
+        let mut v = qwen35_27b();
+        v["text_config"] = serde_json::json!(3);
+        assert!(parse(v).unwrap_err().to_string().contains("text_config"));
     }
 
     #[test]
@@ -664,13 +1117,11 @@ mod tests {
         assert!(matches!(e, ModelError::Unsupported { .. }), "{e}");
         assert!(e.to_string().contains("GPT2LMHeadModel"), "{e}");
         assert!(!e.to_string().contains("DeltaNet"), "{e}");
-        // A Qwen3.5 checkpoint is told why, not only that.
-        for name in ["Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"] {
-            let mut v = llama();
-            v["architectures"] = serde_json::json!([name]);
-            let e = parse(v).unwrap_err().to_string();
-            assert!(e.contains(name) && e.contains("DeltaNet"), "{e}");
-        }
+        // A Qwen3-Next checkpoint is told why, not only that.
+        let mut v = llama();
+        v["architectures"] = serde_json::json!(["Qwen3NextForCausalLM"]);
+        let e = parse(v).unwrap_err().to_string();
+        assert!(e.contains("Qwen3Next") && e.contains("DeltaNet"), "{e}");
 
         let mut v = llama();
         v["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0});

@@ -33,7 +33,7 @@ pub use tprun_kernels::rng;
 #[cfg(test)]
 mod tests;
 
-pub use config::{Arch, Llama3Scaling, ModelConfig};
+pub use config::{Arch, Hybrid, LayerKind, Llama3Scaling, ModelConfig};
 pub use error::ModelError;
 pub use forward::{LoadOptions, Model};
 pub use generate::{generate, GenerateOptions, GenerateStats};

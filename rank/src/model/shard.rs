@@ -13,6 +13,14 @@
 //!   rank must get at least one query head (`g >= rep`), otherwise the split is refused.
 //! - MLP columns (`intermediate_size`) and vocab rows are split with `shard_range`, unevenly
 //!   where they do not divide (172 over 8 ranks: 22,22,22,22,21,21,21,21).
+//! - Gated DeltaNet heads (Qwen3.5): rank r owns key heads `shard_range(k_heads, world, r)`
+//!   and exactly the value heads that read them (`k_start·g .. k_end·g`, g = v_heads /
+//!   k_heads), so the recurrence of each value head runs on one rank with its key head. With
+//!   them go their conv channels (their q, k and v columns of in_proj_qkv), their z, b and a
+//!   columns, their A_log, dt_bias, and out_proj's input columns (row-parallel: the partial
+//!   outputs are allreduced like o_proj's). Fewer key heads than ranks is refused (splitting
+//!   a key head's value heads between ranks would replicate the key head; not needed by any
+//!   checkpoint: Qwen3.5-27B has 16).
 
 use std::ops::Range;
 
@@ -32,6 +40,9 @@ pub struct ShardPlan {
     pub inter: Range<usize>,
     /// Vocab rows of the embedding table and LM head.
     pub vocab: Range<usize>,
+    /// Global DeltaNet key heads and value heads this rank runs (empty unless hybrid).
+    pub lin_k_heads: Range<usize>,
+    pub lin_v_heads: Range<usize>,
 }
 
 impl ShardPlan {
@@ -63,7 +74,24 @@ impl ShardPlan {
             let q = shard_range(g, rep, rank % rep);
             (kv * g + q.start..kv * g + q.end, kv..kv + 1)
         };
+        let (lin_k_heads, lin_v_heads) = match &cfg.hybrid {
+            None => (0..0, 0..0),
+            Some(hy) if hy.k_heads < world => {
+                return Err(err(format!(
+                    "linear_num_key_heads {} is fewer than the ranks: each rank needs at least \
+                     one DeltaNet key head",
+                    hy.k_heads
+                )))
+            }
+            Some(hy) => {
+                let k = shard_range(hy.k_heads, world, rank);
+                let g = hy.v_heads / hy.k_heads;
+                (k.clone(), k.start * g..k.end * g)
+            }
+        };
         Ok(ShardPlan {
+            lin_k_heads,
+            lin_v_heads,
             rank,
             world,
             q_heads,
@@ -99,6 +127,7 @@ mod tests {
             dtype: None,
             bos: None,
             eos: vec![],
+            hybrid: None,
         }
     }
 
@@ -136,5 +165,37 @@ mod tests {
         assert!(e.contains("query heads"), "{e}");
         assert!(ShardPlan::new(&cfg(8, 4), 0, 8).is_ok());
         assert_eq!(ShardPlan::new(&cfg(8, 4), 7, 8).unwrap().inter, 151..172);
+    }
+
+    #[test]
+    fn deltanet_value_heads_stay_with_their_key_head() {
+        let mut c = cfg(64, 32);
+        c.hybrid = Some(crate::model::Hybrid {
+            kinds: vec![crate::model::LayerKind::Delta],
+            k_heads: 16,
+            v_heads: 48,
+            dk: 128,
+            dv: 128,
+            conv_kernel: 4,
+            rotary_dim: 4,
+            attn_gate: true,
+            multimodal: false,
+        });
+        // Qwen3.5-27B at TP=4: 4 key heads and 12 value heads per rank.
+        let p = ShardPlan::new(&c, 2, 4).unwrap();
+        assert_eq!((p.lin_k_heads, p.lin_v_heads), (8..12, 24..36));
+        for world in [1, 3, 5, 16] {
+            let mut seen = [0; 48];
+            for r in 0..world {
+                let p = ShardPlan::new(&c, r, world).unwrap();
+                for v in p.lin_v_heads.clone() {
+                    seen[v] += 1;
+                    assert!(p.lin_k_heads.contains(&(v / 3)), "w{world}");
+                }
+            }
+            assert!(seen.iter().all(|&s| s == 1), "w{world}");
+        }
+        let e = ShardPlan::new(&c, 0, 32).unwrap_err().to_string();
+        assert!(e.contains("linear_num_key_heads 16"), "{e}");
     }
 }

@@ -101,6 +101,7 @@ pub fn config_for(opts: &SynthOptions) -> ModelConfig {
         dtype: Some(opts.dtype),
         bos: Some(SYNTH_BOS),
         eos: vec![SYNTH_EOS],
+        hybrid: None,
     };
     match opts.preset {
         Preset::Tiny => {}
