@@ -171,11 +171,11 @@ pub struct DecodeArgs {
 
 #[derive(Args, Debug)]
 pub struct SynthArgs {
-    /// Architecture: llama, mistral, qwen2, qwen3.
+    /// Architecture: llama, mistral, qwen2, qwen3, qwen3_5 (the gated DeltaNet hybrid).
     #[arg(long, default_value = "llama")]
     pub arch: String,
 
-    /// Shapes: tiny (CI), small (40M, CPU demos), llama3-8b, qwen3-32b.
+    /// Shapes: tiny (CI), small (40M, CPU demos), llama3-8b, qwen3-32b, 27b (Qwen3.5-27B).
     #[arg(long, default_value = "tiny")]
     pub preset: String,
 

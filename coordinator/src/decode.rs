@@ -468,7 +468,7 @@ fn print_profile(profile: &[(String, u64, f64)], generated: usize) {
 pub fn synth_cmd(args: &SynthArgs) -> Result<i32, JobError> {
     let arch = Arch::parse(&args.arch).ok_or_else(|| {
         usage(format!(
-            "unknown --arch '{}' (llama, mistral, qwen2, qwen3)",
+            "unknown --arch '{}' (llama, mistral, qwen2, qwen3, qwen3_5)",
             args.arch
         ))
     })?;

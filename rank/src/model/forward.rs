@@ -1,6 +1,7 @@
 //! [`Model`]: one rank's shard of a Llama-family model on one device: its weights, its KV
-//! cache, its scratch and step-state buffers, and the forward pass (prefill of a prompt in
-//! batched matrix–matrix products, then one token per step).
+//! cache (and, for Qwen3.5's gated DeltaNet layers, their conv and recurrent states), its
+//! scratch and step-state buffers, and the forward pass (prefill of a prompt in batched
+//! matrix–matrix products, then one token per step).
 //!
 //! Every piece of math is an [`Op`] run through [`Device::run`], so every backend runs this
 //! same forward; the model never touches a raw pointer. Token ids and positions live in a
@@ -19,6 +20,9 @@
 //!   all-gather (adding only zeros: exact). Every rank then picks the same token from the
 //!   same candidates with the same seeded draw.
 //!
+//! A DeltaNet layer ends with out_proj, row-parallel like o_proj, so every layer kind has
+//! the same two allreduces.
+//!
 //! Only the row-parallel sums depend on the world size (their f32 addition order), so logits
 //! at different world sizes agree to about 1e-6 relative; on one world size every rank holds
 //! bitwise the same values and so picks the same token.
@@ -33,8 +37,9 @@ use tprun_kernels::dtype::{decode_u32, encode_u32};
 use tprun_kernels::ops::{self, Prologue, SampleParams, TOPK_MAX};
 use tprun_kernels::{DType, Device, Op, View};
 
+use super::config::LayerKind;
 use super::safetensors::Checkpoint;
-use super::weights::{self, Weights};
+use super::weights::{self, AttnWeights, DeltaWeights, Mixer, Tensor, Weights};
 use super::{ModelConfig, ModelError, ShardPlan};
 use crate::{Collectives, RankError};
 
@@ -86,10 +91,12 @@ impl LoadOptions {
 struct Sizes {
     max_seq: usize,
     chunk: usize,
-    /// Bytes of one layer's K (or V) cache.
+    /// Bytes of one attention layer's K (or V) cache.
     kv_bytes: usize,
+    /// f32 elements of one DeltaNet layer's conv state and recurrent state (0, 0 if none).
+    delta: (usize, usize),
     /// f32 elements of each scratch buffer, in [`Scratch`]'s field order.
-    scratch: [usize; 12],
+    scratch: [usize; 13],
 }
 
 impl Sizes {
@@ -111,24 +118,40 @@ impl Sizes {
         let kv_bytes = max_seq
             .checked_mul(nkv * opts.kv_dtype.size())
             .ok_or_else(|| ModelError::Invalid(format!("a KV cache of {max_seq} tokens")))?;
+        // The attention projection's width (with Qwen3.5's output gate: nq more), and the
+        // DeltaNet's: its conv channels C, then z, b, a; its output nv·dv.
+        let gate = match &cfg.hybrid {
+            Some(hy) if hy.attn_gate => nq,
+            _ => 0,
+        };
+        let (mut delta_in, mut delta_out, mut channels, mut delta) = (0, 0, 0, (0, 0));
+        if let Some(hy) = &cfg.hybrid {
+            let (nk, nv) = (plan.lin_k_heads.len(), plan.lin_v_heads.len());
+            channels = 2 * nk * hy.dk + nv * hy.dv;
+            delta_in = channels + nv * hy.dv + 2 * nv;
+            delta_out = nv * hy.dv;
+            delta = (channels * (hy.conv_kernel - 1), nv * hy.dk * hy.dv);
+        }
         let scratch = [
             chunk * h,
             chunk * h,
-            chunk * (nq + 2 * nkv),
+            chunk * (nq + 2 * nkv + gate).max(delta_in),
             chunk * nq,
-            chunk * nq,
+            chunk * nq.max(delta_out),
             chunk * h,
             chunk * 2 * ni,
             plan.vocab.len().max(1),
             plan.world * 2 * TOPK_MAX,
             ops::Attention::<()>::workspace_len(1, nqh, d, max_seq),
-            d / 2,
+            cfg.rotary_dim() / 2,
             cfg.vocab,
+            (chunk * channels).max(1),
         ];
         Ok(Sizes {
             max_seq,
             chunk,
             kv_bytes,
+            delta,
             scratch,
         })
     }
@@ -138,10 +161,14 @@ impl Sizes {
         2 + 2 * self.chunk
     }
 
-    /// Device bytes: KV cache, scratch, step state and token history.
-    fn bytes(&self, layers: usize) -> u64 {
+    /// Device bytes: KV cache, DeltaNet states, scratch, step state and token history.
+    fn bytes(&self, cfg: &ModelConfig) -> u64 {
         let words = self.scratch.iter().sum::<usize>() + self.step_words() + self.max_seq + 1;
-        2 * layers as u64 * self.kv_bytes as u64 + 4 * words as u64
+        let layers = (0..cfg.layers).map(|l| match cfg.kind(l) {
+            LayerKind::Attention => 2 * self.kv_bytes as u64,
+            LayerKind::Delta => 4 * (self.delta.0 + self.delta.1) as u64,
+        });
+        layers.sum::<u64>() + 4 * words as u64
     }
 }
 
@@ -162,17 +189,33 @@ struct KvCache<B> {
     v: B,
 }
 
+/// Per-layer recurrent state of a gated DeltaNet layer, f32, zeroed at the start of each
+/// sequence: the conv's last inputs [C, kernel − 1] (oldest first) and the delta rule's
+/// S [nv, dk, dv].
+struct DeltaState<B> {
+    conv: B,
+    rec: B,
+}
+
+/// What a layer keeps of the sequence so far, by its mixer.
+enum LayerCache<B> {
+    Kv(KvCache<B>),
+    Delta(DeltaState<B>),
+}
+
 /// Scratch activations, all f32, sized for `chunk` tokens (`C`). Names follow llama2.c.
 struct Scratch<B> {
     /// Residual stream [C, h].
     x: B,
     /// Normed input of a sub-block [C, h].
     xb: B,
-    /// Output of the fused q|k|v projection [C, (nq + 2·nkv)·d].
+    /// Output of the fused q|k|v projection [C, (nq + 2·nkv)·d] (with Qwen3.5's output gate,
+    /// followed by the gate block [C, nq·d]); in a DeltaNet layer, the in-projection's blocks
+    /// (see [`Model::fused_matmul`]).
     qkv: B,
     /// Queries after norm and RoPE [C, nq·d].
     q: B,
-    /// Attention output [C, nq·d].
+    /// Attention output [C, nq·d]; a DeltaNet layer's output [C, nv·dv].
     att: B,
     /// Partial output of a row-parallel projection, allreduced in place [C, h].
     o: B,
@@ -185,11 +228,13 @@ struct Scratch<B> {
     cands: B,
     /// Split-sequence attention scratch for one query (ops::Attention::workspace_len).
     attn_ws: B,
-    /// RoPE inverse frequencies [d / 2].
+    /// RoPE inverse frequencies [rotary_dim / 2].
     inv_freq: B,
     /// Full-vocab logits [vocab] for [`Model::prefill`] / [`Model::step`] (tests and logit
     /// dumps; the decode loop never gathers them).
     full_logits: B,
+    /// A DeltaNet layer's conv output (q|k|v after SiLU) [C, channels].
+    conv: B,
 }
 
 /// The step state, u32 in device memory: `[token, position, ids[C], positions[C]]`. A
@@ -231,7 +276,7 @@ pub struct Model<D: Device> {
     cfg: ModelConfig,
     plan: ShardPlan,
     w: Weights<D::Buf>,
-    kv: Vec<KvCache<D::Buf>>,
+    caches: Vec<LayerCache<D::Buf>>,
     kv_dtype: DType,
     s: Scratch<D::Buf>,
     step: Step<D::Buf>,
@@ -242,6 +287,12 @@ pub struct Model<D: Device> {
     chunk: usize,
     /// Positions 0..len of the KV cache hold the current sequence.
     len: usize,
+    /// Tokens the DeltaNet states have taken in (≥ len: a decode may run one step past the
+    /// last token it returns); a recurrent state cannot rewind, so [`Model::step`] of a hybrid
+    /// model must continue from here.
+    state_len: usize,
+    /// f32 elements of each DeltaNet layer's conv state and recurrent state.
+    delta_len: (usize, usize),
     /// Host copy of the last full-vocab logits.
     logits: Vec<f32>,
     /// Weight bytes one decode step reads (matrices; the embedding is only looked up).
@@ -340,13 +391,18 @@ impl<D: Device> Model<D> {
         let plan = ShardPlan::new(&cfg, rank, world)?;
         let wsize = match opts.dtype {
             Some(d) => d.size(),
-            None => ck.dtype_of("model.embed_tokens.weight")?.size(),
+            None => ck
+                .dtype_of(&format!(
+                    "{}embed_tokens.weight",
+                    weights::text_prefix(&cfg)
+                ))?
+                .size(),
         };
         let (total, _) = weights::shard_bytes(&cfg, &plan, wsize);
         // Out of memory is found before the first allocation, with the figures.
         let sizes = Sizes::new(&cfg, &plan, opts)?;
         if let Some((free, _)) = dev.mem_info() {
-            let need = total + sizes.bytes(cfg.layers);
+            let need = total + sizes.bytes(&cfg);
             if need > free {
                 let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
                 return Err(ModelError::Invalid(format!(
@@ -401,11 +457,17 @@ impl<D: Device> Model<D> {
         kv_dtype: DType,
         sizes: Sizes,
     ) -> Result<Model<D>, ModelError> {
-        let kv = (0..cfg.layers)
-            .map(|_| {
-                Ok(KvCache {
-                    k: dev.alloc(sizes.kv_bytes)?,
-                    v: dev.alloc(sizes.kv_bytes)?,
+        let caches = (0..cfg.layers)
+            .map(|l| {
+                Ok(match cfg.kind(l) {
+                    LayerKind::Attention => LayerCache::Kv(KvCache {
+                        k: dev.alloc(sizes.kv_bytes)?,
+                        v: dev.alloc(sizes.kv_bytes)?,
+                    }),
+                    LayerKind::Delta => LayerCache::Delta(DeltaState {
+                        conv: dev.alloc(sizes.delta.0 * 4)?,
+                        rec: dev.alloc(sizes.delta.1 * 4)?,
+                    }),
                 })
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
@@ -424,6 +486,7 @@ impl<D: Device> Model<D> {
             attn_ws: next()?,
             inv_freq: next()?,
             full_logits: next()?,
+            conv: next()?,
         };
         dev.write(
             &s.inv_freq,
@@ -435,9 +498,9 @@ impl<D: Device> Model<D> {
             chunk: sizes.chunk,
         };
         let history = dev.alloc_mapped((sizes.max_seq + 1) * 4)?;
-        let wsize = w.layers.first().map_or(4, |l| l.wqkv.dtype.size());
+        let wsize = w.layers.first().map_or(4, |l| l.matrix_dtype().size());
         let (_, step_bytes) = weights::shard_bytes(&cfg, &plan, wsize);
-        let state_bytes = sizes.bytes(cfg.layers);
+        let state_bytes = sizes.bytes(&cfg);
         Ok(Model {
             no_allreduce: false,
             use_graph: true,
@@ -448,7 +511,7 @@ impl<D: Device> Model<D> {
             cfg,
             plan,
             w,
-            kv,
+            caches,
             kv_dtype,
             s,
             step,
@@ -456,6 +519,8 @@ impl<D: Device> Model<D> {
             max_seq: sizes.max_seq,
             chunk: sizes.chunk,
             len: 0,
+            state_len: 0,
+            delta_len: sizes.delta,
             step_bytes,
             graph: None,
         })
@@ -544,6 +609,7 @@ impl<D: Device> Model<D> {
             )));
         }
         self.len = 0;
+        self.reset_states()?;
         let chunks: Vec<&[u32]> = tokens.chunks(self.chunk).collect();
         for (i, c) in chunks.iter().enumerate() {
             let m = c.len();
@@ -562,6 +628,23 @@ impl<D: Device> Model<D> {
             };
             self.forward(comm, &rows, i + 1 == chunks.len(), false)?;
             self.len += m;
+        }
+        self.state_len = self.len;
+        Ok(())
+    }
+
+    /// Zeroes every DeltaNet layer's conv and recurrent state: a new sequence.
+    fn reset_states(&self) -> Result<(), RankError> {
+        let (nc, nr) = self.delta_len;
+        for c in &self.caches {
+            if let LayerCache::Delta(st) = c {
+                for (b, n) in [(&st.conv, nc), (&st.rec, nr)] {
+                    self.dev.run(&Op::Fill(ops::Fill {
+                        dst: f32v(b, n),
+                        value: 0.0,
+                    }))?;
+                }
+            }
         }
         Ok(())
     }
@@ -595,10 +678,18 @@ impl<D: Device> Model<D> {
                 self.len, self.max_seq, self.cfg.vocab
             )));
         }
+        if self.cfg.hybrid.is_some() && pos != self.state_len {
+            return Err(RankError::Model(format!(
+                "cannot run a token at position {pos}: the DeltaNet layers' recurrent state \
+                 holds {} tokens and cannot rewind (start the sequence again)",
+                self.state_len
+            )));
+        }
         self.dev
             .write(&self.step.buf, 0, &encode_u32(&[token, pos as u32]))?;
         self.run_step(comm, None)?;
         self.len = pos + 1;
+        self.state_len = self.len;
         self.gather_logits(comm)?;
         Ok(&self.logits)
     }
@@ -772,9 +863,12 @@ impl<D: Device> Model<D> {
             Ok(this.dev.mark()?)
         };
         let e0 = comm.epoch();
+        // Every queued step advances the recurrent states, including one past the stop.
+        let mut queued = 0usize;
         let mut pending = std::collections::VecDeque::new();
         let l0 = self.dev.launches();
         pending.push_back(queue(self, comm)?);
+        queued += 1;
         if self.graph.is_none() {
             info.launches = self.dev.launches() - l0;
         }
@@ -782,6 +876,7 @@ impl<D: Device> Model<D> {
         while let Some(mark) = pending.pop_front() {
             if done + pending.len() + 1 < max {
                 pending.push_back(queue(self, comm)?);
+                queued += 1;
             }
             self.dev.wait_mark(&mark)?;
             done += 1;
@@ -804,6 +899,7 @@ impl<D: Device> Model<D> {
         for m in pending {
             self.dev.wait_mark(&m)?;
         }
+        self.state_len += queued;
         tracing::debug!("decode: {done} steps done");
         Ok(info)
     }
@@ -819,12 +915,10 @@ impl<D: Device> Model<D> {
         single: bool,
     ) -> Result<(), RankError> {
         let (dev, cfg, plan, w, s) = (&*self.dev, &self.cfg, &self.plan, &self.w, &self.s);
-        let (kvs, kvt, cap) = (&self.kv, self.kv_dtype, self.max_seq);
         let m = rows.m;
         let world = plan.world;
-        let (h, d) = (cfg.hidden, cfg.head_dim);
-        let (nqh, nkvh) = (plan.q_heads.len(), plan.kv_heads.len());
-        let (nq, nkv, ni) = (nqh * d, nkvh * d, plan.inter.len());
+        let h = cfg.hidden;
+        let ni = plan.inter.len();
         let eps = cfg.rms_eps;
         let x = f32v(&s.x, m * h);
         let xb = f32v(&s.xb, m * h);
@@ -871,67 +965,16 @@ impl<D: Device> Model<D> {
                 }
             };
         let nl = w.layers.len();
-        for (l, (lw, kv)) in w.layers.iter().zip(kvs).enumerate() {
-            // qkv = [q_proj | k_proj | v_proj](xb)   (this rank's heads, one product)
-            let wqkv = nq + 2 * nkv;
-            dev.run(&Op::Matmul(ops::Matmul {
-                x: xb,
-                w: lw.wqkv.view(),
-                bias: lw.bqkv.as_ref().map(|b| b.view()),
-                y: f32v(&s.qkv, m * wqkv),
-                m,
-                k: h,
-                n: wqkv,
-                prologue: Prologue::None,
-            }))?;
-            // q = rope(q_norm(q)); cache[pos] = rope(k_norm(k)), v   (Qwen3 norms optional)
-            let cache = |b| View::new(b, 0, cap * nkv, kvt);
-            dev.run(&Op::QkvRope(ops::QkvRope {
-                qkv: f32v(&s.qkv, m * wqkv),
-                q: f32v(&s.q, m * nq),
-                k_cache: cache(&kv.k),
-                v_cache: cache(&kv.v),
-                pos: rows.pos,
-                inv_freq: f32v(&s.inv_freq, d / 2),
-                q_norm: lw.q_norm.as_ref().map(|t| t.view()),
-                k_norm: lw.k_norm.as_ref().map(|t| t.view()),
-                eps,
-                rows: m,
-                heads: nqh,
-                kv_heads: nkvh,
-                head_dim: d,
-                rotary_dim: d,
-            }))?;
-            // att = softmax(q·kᵀ / √d + causal mask) · v
-            dev.run(&Op::Attention(ops::Attention {
-                q: f32v(&s.q, m * nq),
-                k_cache: cache(&kv.k),
-                v_cache: cache(&kv.v),
-                out: f32v(&s.att, m * nq),
-                pos: rows.pos,
-                rows: m,
-                heads: nqh,
-                kv_heads: nkvh,
-                head_dim: d,
-                scale: 1.0 / (d as f32).sqrt(),
-                workspace: single.then(|| {
-                    f32v(
-                        &s.attn_ws,
-                        ops::Attention::<D::Buf>::workspace_len(1, nqh, d, cap),
-                    )
-                }),
-            }))?;
-            // x = x + allreduce(o_proj(att)); xb = post_attention_layernorm(x)
-            dev.run(&Op::Matmul(ops::Matmul {
-                x: f32v(&s.att, m * nq),
-                w: lw.wo.view(),
-                bias: None,
-                y: o,
-                m,
-                k: nq,
-                n: h,
-                prologue: Prologue::None,
-            }))?;
+        for (l, (lw, cache)) in w.layers.iter().zip(&self.caches).enumerate() {
+            // o = this rank's partial of the mixer's output projection
+            match (&lw.mixer, cache) {
+                (Mixer::Attention(aw), LayerCache::Kv(kv)) => {
+                    self.attention(aw, kv, rows, single)?
+                }
+                (Mixer::Delta(dw), LayerCache::Delta(st)) => self.delta(dw, st, m)?,
+                _ => unreachable!("each layer's cache is allocated for its mixer"),
+            }
+            // x = x + allreduce(o); xb = post_attention_layernorm(x)
             residual(comm, lw.ffn_norm.view())?;
             // hb = [gate_proj | up_proj](xb)
             dev.run(&Op::Matmul(ops::Matmul {
@@ -976,6 +1019,214 @@ impl<D: Device> Model<D> {
             m: 1,
             k: h,
             n: plan.vocab.len(),
+            prologue: Prologue::None,
+        }))?;
+        Ok(())
+    }
+
+    /// `y = x · wᵀ` for a weight fused at load from row blocks of widths `ns` (n = Σ ns),
+    /// laid out so that block p of the output is its own [m, ns[p]] matrix at element
+    /// m·(ns[0] + … + ns[p−1]) of `y`. For one row that is the fused product's row itself (the
+    /// blocks side by side), so decode runs one matrix–vector product; for more rows, one
+    /// product per block over that block's rows of the weight, so that each block comes out
+    /// contiguous for the op that reads it.
+    fn fused_matmul(
+        &self,
+        x: View<'_, D::Buf>,
+        w: &Tensor<D::Buf>,
+        k: usize,
+        ns: &[usize],
+        y: &D::Buf,
+        m: usize,
+    ) -> Result<(), RankError> {
+        let n: usize = ns.iter().sum();
+        let blocks: Vec<(usize, usize)> = if m == 1 {
+            vec![(0, n)]
+        } else {
+            let mut off = 0;
+            ns.iter()
+                .map(|&b| {
+                    off += b;
+                    (off - b, b)
+                })
+                .collect()
+        };
+        for (off, b) in blocks {
+            self.dev.run(&Op::Matmul(ops::Matmul {
+                x,
+                w: View::new(&w.buf, off * k * w.dtype.size(), b * k, w.dtype),
+                bias: None,
+                y: View::new(y, m * off * 4, m * b, DType::F32),
+                m,
+                k,
+                n: b,
+                prologue: Prologue::None,
+            }))?;
+        }
+        Ok(())
+    }
+
+    /// Attention of `rows` from `s.xb`, writing their K/V into `kv`, leaving o_proj's partial
+    /// output in `s.o`.
+    fn attention(
+        &self,
+        aw: &AttnWeights<D::Buf>,
+        kv: &KvCache<D::Buf>,
+        rows: &Rows<'_, D::Buf>,
+        single: bool,
+    ) -> Result<(), RankError> {
+        let (dev, cfg, plan, s) = (&*self.dev, &self.cfg, &self.plan, &self.s);
+        let (kvt, cap, m) = (self.kv_dtype, self.max_seq, rows.m);
+        let (h, d, rd) = (cfg.hidden, cfg.head_dim, cfg.rotary_dim());
+        let (nqh, nkvh) = (plan.q_heads.len(), plan.kv_heads.len());
+        let (nq, nkv) = (nqh * d, nkvh * d);
+        let xb = f32v(&s.xb, m * h);
+        let wqkv = nq + 2 * nkv;
+        let gated = cfg.hybrid.as_ref().is_some_and(|hy| hy.attn_gate);
+        if gated {
+            // [q | k | v] then gate = q_proj's gate half (Qwen3.5), as two blocks.
+            self.fused_matmul(xb, &aw.wqkv, h, &[wqkv, nq], &s.qkv, m)?;
+        } else {
+            // qkv = [q_proj | k_proj | v_proj](xb)   (this rank's heads, one product)
+            dev.run(&Op::Matmul(ops::Matmul {
+                x: xb,
+                w: aw.wqkv.view(),
+                bias: aw.bqkv.as_ref().map(|b| b.view()),
+                y: f32v(&s.qkv, m * wqkv),
+                m,
+                k: h,
+                n: wqkv,
+                prologue: Prologue::None,
+            }))?;
+        }
+        // q = rope(q_norm(q)); cache[pos] = rope(k_norm(k)), v   (norms: Qwen3, Qwen3.5;
+        // Qwen3.5 rotates only the first rotary_dim dims of each head)
+        let cache = |b| View::new(b, 0, cap * nkv, kvt);
+        dev.run(&Op::QkvRope(ops::QkvRope {
+            qkv: f32v(&s.qkv, m * wqkv),
+            q: f32v(&s.q, m * nq),
+            k_cache: cache(&kv.k),
+            v_cache: cache(&kv.v),
+            pos: rows.pos,
+            inv_freq: f32v(&s.inv_freq, rd / 2),
+            q_norm: aw.q_norm.as_ref().map(|t| t.view()),
+            k_norm: aw.k_norm.as_ref().map(|t| t.view()),
+            eps: cfg.rms_eps,
+            rows: m,
+            heads: nqh,
+            kv_heads: nkvh,
+            head_dim: d,
+            rotary_dim: rd,
+        }))?;
+        // att = softmax(q·kᵀ / √d + causal mask) · v
+        let att = f32v(&s.att, m * nq);
+        dev.run(&Op::Attention(ops::Attention {
+            q: f32v(&s.q, m * nq),
+            k_cache: cache(&kv.k),
+            v_cache: cache(&kv.v),
+            out: att,
+            pos: rows.pos,
+            rows: m,
+            heads: nqh,
+            kv_heads: nkvh,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+            workspace: single.then(|| {
+                f32v(
+                    &s.attn_ws,
+                    ops::Attention::<D::Buf>::workspace_len(1, nqh, d, cap),
+                )
+            }),
+        }))?;
+        if gated {
+            // att = att · sigmoid(gate)
+            dev.run(&Op::SigmoidMul(ops::SigmoidMul {
+                x: att,
+                gate: View::new(&s.qkv, m * wqkv * 4, m * nq, DType::F32),
+                out: att,
+            }))?;
+        }
+        // o = o_proj(att)
+        dev.run(&Op::Matmul(ops::Matmul {
+            x: att,
+            w: aw.wo.view(),
+            bias: None,
+            y: f32v(&s.o, m * h),
+            m,
+            k: nq,
+            n: h,
+            prologue: Prologue::None,
+        }))?;
+        Ok(())
+    }
+
+    /// A gated DeltaNet (transformers' `Qwen3_5GatedDeltaNet`) over `m` rows of `s.xb`, in
+    /// order through the sequence's conv and recurrent state `st`, leaving out_proj's partial
+    /// output in `s.o`.
+    fn delta(
+        &self,
+        dw: &DeltaWeights<D::Buf>,
+        st: &DeltaState<D::Buf>,
+        m: usize,
+    ) -> Result<(), RankError> {
+        let (dev, cfg, plan, s) = (&*self.dev, &self.cfg, &self.plan, &self.s);
+        let hy = cfg.hybrid.as_ref().expect("a DeltaNet layer is a hybrid's");
+        let h = cfg.hidden;
+        let (nk, nv) = (plan.lin_k_heads.len(), plan.lin_v_heads.len());
+        let c = 2 * nk * hy.dk + nv * hy.dv;
+        let vd = nv * hy.dv;
+        // [qkv | z | b | a] = [in_proj_qkv | in_proj_z | in_proj_b | in_proj_a](xb)
+        let widths = [c, vd, nv, nv];
+        self.fused_matmul(f32v(&s.xb, m * h), &dw.w_in, h, &widths, &s.qkv, m)?;
+        let block = |at: usize, n: usize| View::new(&s.qkv, m * at * 4, m * n, DType::F32);
+        let (z, b, a) = (block(c, vd), block(c + vd, nv), block(c + vd + nv, nv));
+        // qkv = silu(conv1d([past inputs, qkv]))   (depthwise, causal)
+        let conv = f32v(&s.conv, m * c);
+        dev.run(&Op::CausalConv(ops::CausalConv {
+            x: block(0, c),
+            w: dw.conv.view(),
+            state: f32v(&st.conv, self.delta_len.0),
+            out: conv,
+            rows: m,
+            channels: c,
+            kernel: hy.conv_kernel,
+        }))?;
+        // att = the gated delta rule over S (q, k L2-normed; β = σ(b);
+        // g = −exp(A_log)·softplus(a + dt_bias))
+        let att = f32v(&s.att, m * vd);
+        dev.run(&Op::GatedDelta(ops::GatedDelta {
+            qkv: conv,
+            b,
+            a,
+            a_log: dw.a_log.view(),
+            dt_bias: dw.dt_bias.view(),
+            state: f32v(&st.rec, self.delta_len.1),
+            out: att,
+            rows: m,
+            k_heads: nk,
+            v_heads: nv,
+            dk: hy.dk,
+            dv: hy.dv,
+        }))?;
+        // att = norm(att) · silu(z)   per value head
+        dev.run(&Op::GatedRmsNorm(ops::GatedRmsNorm {
+            x: att,
+            z,
+            w: dw.norm.view(),
+            out: att,
+            rows: m * nv,
+            dim: hy.dv,
+            eps: cfg.rms_eps,
+        }))?;
+        // o = out_proj(att)
+        dev.run(&Op::Matmul(ops::Matmul {
+            x: att,
+            w: dw.w_out.view(),
+            bias: None,
+            y: f32v(&s.o, m * h),
+            m,
+            k: vd,
+            n: h,
             prologue: Prologue::None,
         }))?;
         Ok(())

@@ -342,6 +342,11 @@ impl Checkpoint {
         self.index.contains_key(name)
     }
 
+    /// Every tensor name, in no particular order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.index.keys().map(String::as_str)
+    }
+
     /// The file holding `name` and its header entry.
     pub fn info(&self, name: &str) -> Result<(&SafeFile, &TensorInfo), ModelError> {
         let missing = |file: PathBuf| ModelError::Tensor {

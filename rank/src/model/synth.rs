@@ -31,14 +31,20 @@ pub enum Preset {
     Llama3_8b,
     /// Qwen3 32B's shapes (Qwen/Qwen3-32B config.json).
     Qwen3_32b,
+    /// Qwen3.5 27B's text model (Qwen/Qwen3.5-27B config.json's text_config): 64 layers, every
+    /// 4th full attention (24 query heads of 256 over 4 KV heads, a quarter of each head
+    /// rotated), the others gated DeltaNets (16 key heads, 48 value heads of 128, conv 4).
+    /// `--arch qwen3_5` only.
+    Qwen3_5_27b,
 }
 
 impl Preset {
-    pub const ALL: [Preset; 4] = [
+    pub const ALL: [Preset; 5] = [
         Preset::Tiny,
         Preset::Small,
         Preset::Llama3_8b,
         Preset::Qwen3_32b,
+        Preset::Qwen3_5_27b,
     ];
 
     pub fn name(self) -> &'static str {
@@ -47,6 +53,7 @@ impl Preset {
             Preset::Small => "small",
             Preset::Llama3_8b => "llama3-8b",
             Preset::Qwen3_32b => "qwen3-32b",
+            Preset::Qwen3_5_27b => "27b",
         }
     }
 
@@ -56,11 +63,9 @@ impl Preset {
 }
 
 impl Arch {
-    /// The CLI's names for `synth --arch`: llama, mistral, qwen2, qwen3.
+    /// The CLI's names for `synth --arch`: llama, mistral, qwen2, qwen3, qwen3_5.
     pub fn parse(s: &str) -> Option<Arch> {
-        [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3]
-            .into_iter()
-            .find(|a| a.model_type() == s)
+        Arch::ALL.into_iter().find(|a| a.model_type() == s)
     }
 }
 
@@ -134,6 +139,20 @@ pub fn config_for(opts: &SynthOptions) -> ModelConfig {
                 });
             }
         }
+        // Shapes of Qwen/Qwen3.5-27B, whatever `--arch` says (it is a Qwen3.5 preset).
+        Preset::Qwen3_5_27b => {
+            c.hidden = 5120;
+            c.intermediate = 17408;
+            c.layers = 64;
+            c.heads = 24;
+            c.kv_heads = 4;
+            c.head_dim = 256;
+            c.vocab = 248320;
+            c.max_positions = 262144;
+            c.rope_theta = 10_000_000.0;
+            c.rms_eps = 1e-6;
+            c.tie_embeddings = false;
+        }
         Preset::Qwen3_32b => {
             c.hidden = 5120;
             c.intermediate = 25600;
@@ -148,10 +167,58 @@ pub fn config_for(opts: &SynthOptions) -> ModelConfig {
             c.tie_embeddings = false;
         }
     }
+    if arch == Arch::Qwen3_5 || opts.preset == Preset::Qwen3_5_27b {
+        hybridise(&mut c, opts.preset);
+    }
     if let Some(t) = opts.tie_embeddings {
         c.tie_embeddings = t;
     }
     c
+}
+
+/// Makes `c` a Qwen3.5 of its preset's size, in the official (multimodal) layout. The tiny
+/// one: 4 layers alternating DeltaNet and attention, 4 query heads of 16 over 2 KV heads
+/// (RoPE on the first 4 dims), 4 DeltaNet key heads and 8 value heads of 8; it shards over
+/// 1, 2 and 4 ranks.
+fn hybridise(c: &mut ModelConfig, preset: Preset) {
+    use super::config::{Hybrid, LayerKind};
+    c.arch = Arch::Qwen3_5;
+    c.qkv_bias = false;
+    c.qk_norm = true;
+    if preset == Preset::Tiny {
+        (c.layers, c.heads, c.kv_heads, c.head_dim) = (4, 4, 2, 16);
+        c.rope_theta = 10_000_000.0;
+        c.tie_embeddings = false;
+    }
+    let every = match preset {
+        Preset::Qwen3_5_27b => 4,
+        _ => 2,
+    };
+    let kinds = (0..c.layers)
+        .map(|i| match (i + 1) % every {
+            0 => LayerKind::Attention,
+            _ => LayerKind::Delta,
+        })
+        .collect();
+    let (k_heads, v_heads, dk) = match preset {
+        Preset::Qwen3_5_27b => (16, 48, 128),
+        Preset::Tiny => (4, 8, 8),
+        // The plain presets' attention, with as many DeltaNet key heads as KV heads and
+        // twice as many value heads, of the attention head size.
+        _ => (c.kv_heads, 2 * c.kv_heads, c.head_dim),
+    };
+    c.hybrid = Some(Hybrid {
+        kinds,
+        k_heads,
+        v_heads,
+        dk,
+        dv: dk,
+        conv_kernel: 4,
+        // partial_rotary_factor 0.25, as Qwen3.5's.
+        rotary_dim: c.head_dim / 4,
+        attn_gate: true,
+        multimodal: true,
+    });
 }
 
 /// How a tensor's random values are drawn: `offset + scale · U[-1, 1)`.
@@ -161,6 +228,9 @@ struct Init {
 }
 
 fn tensor_list(c: &ModelConfig, dtype: DType) -> Vec<(String, DType, Vec<usize>, Init)> {
+    if let Some(hy) = &c.hybrid {
+        return hybrid_tensor_list(c, hy, dtype);
+    }
     let (h, d) = (c.hidden, c.head_dim);
     // Uniform on [-a, a] has standard deviation a/√3.
     let linear = |fan_in: usize| Init {
@@ -225,6 +295,122 @@ fn tensor_list(c: &ModelConfig, dtype: DType) -> Vec<(String, DType, Vec<usize>,
     if !c.tie_embeddings {
         t.push(("lm_head.weight".into(), dtype, vec![c.vocab, h], linear(h)));
     }
+    t
+}
+
+/// Qwen3.5's tensors in the official layout (transformers' `Qwen3_5ForConditionalGeneration`
+/// names: the text model under `model.language_model.`). Its RMSNorm weights are zero-centred
+/// (the norm multiplies by 1 + w), so they are drawn around 0; the DeltaNet's gated norm is
+/// plain (around 1). A_log is ln of U(1, 16)'s range as transformers initialises it, dt_bias
+/// around 1. The vision tower and the multi-token-prediction head, which text decode skips,
+/// are stood for by one small tensor each (`model.visual.merger.norm.weight`,
+/// `mtp.norm.weight`), not their real weights.
+///
+/// GPTQ (`--quant gptq-int4`, issue 11) would replace the MLP matrices written here by their
+/// packed int4 tensors, as the official Qwen3.5-27B-GPTQ-Int4 checkpoint does.
+fn hybrid_tensor_list(
+    c: &ModelConfig,
+    hy: &super::Hybrid,
+    dtype: DType,
+) -> Vec<(String, DType, Vec<usize>, Init)> {
+    use super::config::LayerKind;
+    let (h, d) = (c.hidden, c.head_dim);
+    let pre = super::weights::text_prefix(c);
+    let linear = |fan_in: usize| Init {
+        offset: 0.0,
+        scale: (3.0 / fan_in as f32).sqrt(),
+    };
+    let centred = || Init {
+        offset: 0.0,
+        scale: 0.1,
+    };
+    let init = |offset: f32, scale: f32| Init { offset, scale };
+    let mut t = vec![(
+        format!("{pre}embed_tokens.weight"),
+        dtype,
+        vec![c.vocab, h],
+        linear(h),
+    )];
+    let (kd, vd) = (hy.k_heads * hy.dk, hy.v_heads * hy.dv);
+    for i in 0..c.layers {
+        let p = format!("{pre}layers.{i}.");
+        let mut add = |n: &str, shape: Vec<usize>, init: Init| {
+            t.push((format!("{p}{n}"), dtype, shape, init))
+        };
+        add("input_layernorm.weight", vec![h], centred());
+        match hy.kinds[i] {
+            LayerKind::Attention => {
+                let q_rows = if hy.attn_gate { 2 } else { 1 } * c.heads * d;
+                add("self_attn.q_proj.weight", vec![q_rows, h], linear(h));
+                add(
+                    "self_attn.k_proj.weight",
+                    vec![c.kv_heads * d, h],
+                    linear(h),
+                );
+                add(
+                    "self_attn.v_proj.weight",
+                    vec![c.kv_heads * d, h],
+                    linear(h),
+                );
+                add("self_attn.q_norm.weight", vec![d], centred());
+                add("self_attn.k_norm.weight", vec![d], centred());
+                add(
+                    "self_attn.o_proj.weight",
+                    vec![h, c.heads * d],
+                    linear(c.heads * d),
+                );
+            }
+            LayerKind::Delta => {
+                add(
+                    "linear_attn.in_proj_qkv.weight",
+                    vec![2 * kd + vd, h],
+                    linear(h),
+                );
+                add("linear_attn.in_proj_z.weight", vec![vd, h], linear(h));
+                add(
+                    "linear_attn.in_proj_b.weight",
+                    vec![hy.v_heads, h],
+                    linear(h),
+                );
+                add(
+                    "linear_attn.in_proj_a.weight",
+                    vec![hy.v_heads, h],
+                    linear(h),
+                );
+                add(
+                    "linear_attn.conv1d.weight",
+                    vec![2 * kd + vd, 1, hy.conv_kernel],
+                    linear(hy.conv_kernel),
+                );
+                // ln A for A in [1, 16]: [0, 2.77].
+                add("linear_attn.A_log", vec![hy.v_heads], init(1.386, 1.386));
+                add("linear_attn.dt_bias", vec![hy.v_heads], init(1.0, 0.5));
+                add("linear_attn.norm.weight", vec![hy.dv], init(1.0, 0.1));
+                add("linear_attn.out_proj.weight", vec![h, vd], linear(vd));
+            }
+        }
+        add("post_attention_layernorm.weight", vec![h], centred());
+        add("mlp.gate_proj.weight", vec![c.intermediate, h], linear(h));
+        add("mlp.up_proj.weight", vec![c.intermediate, h], linear(h));
+        add(
+            "mlp.down_proj.weight",
+            vec![h, c.intermediate],
+            linear(c.intermediate),
+        );
+    }
+    t.push((format!("{pre}norm.weight"), dtype, vec![h], centred()));
+    if !c.tie_embeddings {
+        t.push(("lm_head.weight".into(), dtype, vec![c.vocab, h], linear(h)));
+    }
+    if hy.multimodal {
+        t.push((
+            "model.visual.merger.norm.weight".into(),
+            dtype,
+            vec![h],
+            centred(),
+        ));
+    }
+    t.push(("mtp.norm.weight".into(), dtype, vec![h], centred()));
     t
 }
 

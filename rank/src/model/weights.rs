@@ -1,11 +1,18 @@
 //! One rank's weights on its device: the slices of each tensor that the [`ShardPlan`] gives
 //! this rank, read from the checkpoint and converted to the chosen dtype. Shapes are written
 //! global → per rank, with `nq = q_heads.len()`, `nkv = kv_heads.len()`, `I = inter.len()`,
-//! `V = vocab.len()` of this rank's plan, `d = head_dim`, `h = hidden`.
+//! `V = vocab.len()` of this rank's plan, `d = head_dim`, `h = hidden`; for Qwen3.5's
+//! DeltaNet layers `nk = lin_k_heads.len()`, `nv = lin_v_heads.len()`, `dk`, `dv` the head
+//! dims, `C = 2·nk·dk + nv·dv` the rank's conv channels (global `conv_dim`).
+//!
+//! Qwen3.5's RMSNorms are zero-centred (x · rsqrt(mean x² + ε) · (1 + w), in f32): their
+//! weights are loaded as the f32 `1 + w`, so that the norm ops serve unchanged. Its DeltaNet
+//! gated norm uses plain w.
 
 use tprun_kernels::dtype::{decode, encode};
 use tprun_kernels::{DType, Device, View};
 
+use super::config::LayerKind;
 use super::safetensors::{Checkpoint, Slice};
 use super::{ModelConfig, ModelError, ShardPlan};
 
@@ -24,20 +31,12 @@ impl<B> Tensor<B> {
 
 /// One decoder layer. The column-parallel projections that read the same input are fused at
 /// load (concatenated per rank along their output rows), so that decode runs one
-/// matrix–vector product where the checkpoint has two or three.
+/// matrix–vector product where the checkpoint has two or more.
 pub struct LayerWeights<B> {
     /// `input_layernorm`: [h] → [h] (replicated), f32.
     pub attn_norm: Tensor<B>,
-    /// `q_proj | k_proj | v_proj`: [heads·d + 2·kv_heads·d, h] → [(nq + 2·nkv)·d, h]: this
-    /// rank's query-head rows, then its KV-head rows of k, then of v.
-    pub wqkv: Tensor<B>,
-    /// Qwen2 biases, concatenated the same way: [(nq + 2·nkv)·d], f32.
-    pub bqkv: Option<Tensor<B>>,
-    /// Qwen3 `q_norm`, `k_norm`: [d] → [d] (replicated), f32.
-    pub q_norm: Option<Tensor<B>>,
-    pub k_norm: Option<Tensor<B>>,
-    /// `o_proj`: [h, heads·d] → [h, nq·d] (columns of this rank's query heads).
-    pub wo: Tensor<B>,
+    /// The token mixer: attention or (Qwen3.5) a gated DeltaNet.
+    pub mixer: Mixer<B>,
     /// `post_attention_layernorm`: [h] → [h] (replicated), f32.
     pub ffn_norm: Tensor<B>,
     /// `gate_proj | up_proj`: [2·intermediate, h] → [2·I, h]: this rank's gate rows, then
@@ -45,6 +44,55 @@ pub struct LayerWeights<B> {
     pub w_gate_up: Tensor<B>,
     /// `down_proj`: [h, intermediate] → [h, I].
     pub w_down: Tensor<B>,
+}
+
+/// What mixes tokens in one layer.
+pub enum Mixer<B> {
+    Attention(AttnWeights<B>),
+    Delta(DeltaWeights<B>),
+}
+
+/// `self_attn`.
+pub struct AttnWeights<B> {
+    /// `q_proj | k_proj | v_proj`: [heads·d + 2·kv_heads·d, h] → [(nq + 2·nkv)·d, h]: this
+    /// rank's query-head rows, then its KV-head rows of k, then of v. With Qwen3.5's output
+    /// gate, q_proj is [heads·2d, h], each head's rows [query | gate]; the query rows go
+    /// first as above and the gate rows of the rank's heads last: [(2·nq + 2·nkv)·d, h].
+    pub wqkv: Tensor<B>,
+    /// Qwen2 biases, concatenated the same way: [(nq + 2·nkv)·d], f32.
+    pub bqkv: Option<Tensor<B>>,
+    /// Qwen3 / Qwen3.5 `q_norm`, `k_norm`: [d] → [d] (replicated), f32.
+    pub q_norm: Option<Tensor<B>>,
+    pub k_norm: Option<Tensor<B>>,
+    /// `o_proj`: [h, heads·d] → [h, nq·d] (columns of this rank's query heads).
+    pub wo: Tensor<B>,
+}
+
+/// `linear_attn` (Qwen3.5's gated DeltaNet).
+pub struct DeltaWeights<B> {
+    /// `in_proj_qkv | in_proj_z | in_proj_b | in_proj_a`: [conv_dim + V_heads·dv + 2·V_heads,
+    /// h] → [C + nv·dv + 2·nv, h]: the rank's conv channels (q rows of its key heads, k rows
+    /// of them, v rows of its value heads), then its z rows, b rows, a rows.
+    pub w_in: Tensor<B>,
+    /// `conv1d.weight`: [conv_dim, 1, kernel] → [C, kernel] (the same channels), f32.
+    pub conv: Tensor<B>,
+    /// `A_log`, `dt_bias`: [V_heads] → [nv], f32.
+    pub a_log: Tensor<B>,
+    pub dt_bias: Tensor<B>,
+    /// `norm.weight` (the gated RMSNorm, plain w): [dv] (replicated), f32.
+    pub norm: Tensor<B>,
+    /// `out_proj`: [h, V_heads·dv] → [h, nv·dv] (columns of this rank's value heads).
+    pub w_out: Tensor<B>,
+}
+
+impl<B> LayerWeights<B> {
+    /// The dtype of the layer's matrices.
+    pub fn matrix_dtype(&self) -> DType {
+        match &self.mixer {
+            Mixer::Attention(a) => a.wqkv.dtype,
+            Mixer::Delta(dn) => dn.w_in.dtype,
+        }
+    }
 }
 
 /// All of a rank's weights.
@@ -128,13 +176,31 @@ impl<D: Device> Loader<'_, D> {
     /// dtype they are first rounded to it, as loading with transformers' `torch_dtype` would,
     /// so that a model converted at load time equals the same model stored in that dtype.
     fn load_f32(&self, parts: &[Part<'_>]) -> Result<Tensor<D::Buf>, ModelError> {
-        let Some(dtype) = self.dtype.filter(|&d| d != DType::F32) else {
-            return self.load_concat(parts, Some(DType::F32));
+        self.load_f32_plus(parts, 0.0)
+    }
+
+    /// A norm weight: plain, or as `1 + w` in f32 when the model's norms are zero-centred.
+    fn load_norm(
+        &self,
+        name: &str,
+        dim: usize,
+        centred: bool,
+    ) -> Result<Tensor<D::Buf>, ModelError> {
+        let parts: &[Part<'_>] = &[(name, &[dim], Slice::Full)];
+        self.load_f32_plus(parts, if centred { 1.0 } else { 0.0 })
+    }
+
+    /// [`Loader::load_f32`] with `add` added to every value (in f32, after any rounding).
+    fn load_f32_plus(&self, parts: &[Part<'_>], add: f32) -> Result<Tensor<D::Buf>, ModelError> {
+        let dtype = match self.dtype.filter(|&d| d != DType::F32) {
+            Some(d) => d,
+            None if add == 0.0 => return self.load_concat(parts, Some(DType::F32)),
+            None => DType::F32,
         };
         let mut vals = Vec::new();
         for (name, shape, slice) in parts {
             self.ck.read(name, shape, slice, dtype, &mut |_, b| {
-                vals.extend(decode(dtype, b));
+                vals.extend(decode(dtype, b).into_iter().map(|v| v + add));
                 Ok(())
             })?;
         }
@@ -157,13 +223,41 @@ pub fn shard_bytes(cfg: &ModelConfig, plan: &ShardPlan, wsize: usize) -> (u64, u
         plan.kv_heads.len() * d,
         plan.inter.len(),
     );
-    let layer = ((nq + 2 * nkv) * h + h * nq + 3 * i * h) as u64;
+    let gate = match &cfg.hybrid {
+        Some(hy) if hy.attn_gate => nq,
+        _ => 0,
+    };
+    let attn = ((nq + 2 * nkv + gate) * h + h * nq) as u64;
+    let delta = match &cfg.hybrid {
+        Some(hy) => {
+            let (nk, nv) = (plan.lin_k_heads.len(), plan.lin_v_heads.len());
+            let rows = 2 * nk * hy.dk + 2 * nv * hy.dv + 2 * nv;
+            (rows * h + h * nv * hy.dv) as u64
+        }
+        None => 0,
+    };
+    let mlp = (3 * i * h) as u64;
+    let layers: u64 = (0..cfg.layers)
+        .map(|l| match cfg.kind(l) {
+            LayerKind::Attention => attn + mlp,
+            LayerKind::Delta => delta + mlp,
+        })
+        .sum();
     let vocab = (plan.vocab.len() * h) as u64;
     let heads = if cfg.tie_embeddings { 1 } else { 2 };
     let w = wsize as u64;
-    let total = (cfg.layers as u64 * layer + heads * vocab) * w;
-    let per_token = (cfg.layers as u64 * layer + vocab) * w;
+    let total = (layers + heads * vocab) * w;
+    let per_token = (layers + vocab) * w;
     (total, per_token)
+}
+
+/// The prefix of the text model's tensors: `model.language_model.` in Qwen3.5's multimodal
+/// checkpoints, else `model.`.
+pub fn text_prefix(cfg: &ModelConfig) -> &'static str {
+    match &cfg.hybrid {
+        Some(h) if h.multimodal => "model.language_model.",
+        _ => "model.",
+    }
 }
 
 /// Loads this rank's slices of every tensor, calling `progress(bytes_loaded)` as they reach
@@ -183,61 +277,35 @@ pub fn load<D: Device>(
         done: std::cell::Cell::new(0),
         progress: std::cell::RefCell::new(progress),
     };
-    let (h, d) = (cfg.hidden, cfg.head_dim);
-    let q_rows = plan.q_heads.start * d..plan.q_heads.end * d;
-    let kv_rows = plan.kv_heads.start * d..plan.kv_heads.end * d;
-    let (qd, kvd) = (cfg.heads * d, cfg.kv_heads * d);
+    let pre = text_prefix(cfg);
+    if cfg.hybrid.is_some() {
+        // The vision tower and the multi-token-prediction head are not part of text decode.
+        let skipped = ck
+            .names()
+            .filter(|n| {
+                n.starts_with("model.visual.") || n.starts_with("visual.") || n.starts_with("mtp.")
+            })
+            .count();
+        if skipped > 0 {
+            tracing::info!("not loading {skipped} vision (visual.*) and multi-token prediction (mtp.*) tensors: text decode does not use them");
+        }
+    }
+    let h = cfg.hidden;
+    let centred = cfg.zero_centred_norms();
     let inter = [cfg.intermediate, h];
     let mut layers = Vec::with_capacity(cfg.layers);
     for i in 0..cfg.layers {
-        let p = format!("model.layers.{i}.");
+        let p = format!("{pre}layers.{i}.");
         let t = |s: &str| format!("{p}{s}");
-        let (nq, nk, nv) = (
-            t("self_attn.q_proj."),
-            t("self_attn.k_proj."),
-            t("self_attn.v_proj."),
-        );
-        let (wq, wk, wv) = (
-            nq.clone() + "weight",
-            nk.clone() + "weight",
-            nv.clone() + "weight",
-        );
-        let (bq, bk, bv) = (nq + "bias", nk + "bias", nv + "bias");
-        let qk_norm = |s: &str| {
-            cfg.qk_norm
-                .then(|| l.load_f32(&[(&t(s), &[d], Slice::Full)]))
-                .transpose()
+        let mixer = match cfg.kind(i) {
+            LayerKind::Attention => Mixer::Attention(load_attention(&l, cfg, plan, &p)?),
+            LayerKind::Delta => Mixer::Delta(load_delta(&l, cfg, plan, &p)?),
         };
         let (gate, up) = (t("mlp.gate_proj.weight"), t("mlp.up_proj.weight"));
         layers.push(LayerWeights {
-            attn_norm: l.load_f32(&[(&t("input_layernorm.weight"), &[h], Slice::Full)])?,
-            wqkv: l.load_concat(
-                &[
-                    (&wq, &[qd, h], Slice::Rows(q_rows.clone())),
-                    (&wk, &[kvd, h], Slice::Rows(kv_rows.clone())),
-                    (&wv, &[kvd, h], Slice::Rows(kv_rows.clone())),
-                ],
-                None,
-            )?,
-            bqkv: cfg
-                .qkv_bias
-                .then(|| {
-                    l.load_f32(&[
-                        (&bq, &[qd], Slice::Rows(q_rows.clone())),
-                        (&bk, &[kvd], Slice::Rows(kv_rows.clone())),
-                        (&bv, &[kvd], Slice::Rows(kv_rows.clone())),
-                    ])
-                })
-                .transpose()?,
-            q_norm: qk_norm("self_attn.q_norm.weight")?,
-            k_norm: qk_norm("self_attn.k_norm.weight")?,
-            wo: l.load(
-                &t("self_attn.o_proj.weight"),
-                &[h, qd],
-                Slice::Cols(q_rows.clone()),
-                None,
-            )?,
-            ffn_norm: l.load_f32(&[(&t("post_attention_layernorm.weight"), &[h], Slice::Full)])?,
+            attn_norm: l.load_norm(&t("input_layernorm.weight"), h, centred)?,
+            mixer,
+            ffn_norm: l.load_norm(&t("post_attention_layernorm.weight"), h, centred)?,
             w_gate_up: l.load_concat(
                 &[
                     (&gate, &inter, Slice::Rows(plan.inter.clone())),
@@ -256,17 +324,150 @@ pub fn load<D: Device>(
     let vocab_rows = Slice::Rows(plan.vocab.clone());
     Ok(Weights {
         embed: l.load(
-            "model.embed_tokens.weight",
+            &format!("{pre}embed_tokens.weight"),
             &[cfg.vocab, h],
             vocab_rows.clone(),
             None,
         )?,
         layers,
-        norm: l.load_f32(&[("model.norm.weight", &[h], Slice::Full)])?,
+        norm: l.load_norm(&format!("{pre}norm.weight"), h, centred)?,
         lm_head: if cfg.tie_embeddings {
             None
         } else {
             Some(l.load("lm_head.weight", &[cfg.vocab, h], vocab_rows, None)?)
         },
+    })
+}
+
+/// `self_attn` of layer prefix `p`.
+fn load_attention<D: Device>(
+    l: &Loader<'_, D>,
+    cfg: &ModelConfig,
+    plan: &ShardPlan,
+    p: &str,
+) -> Result<AttnWeights<D::Buf>, ModelError> {
+    let (h, d) = (cfg.hidden, cfg.head_dim);
+    let t = |s: &str| format!("{p}{s}");
+    let q_rows = plan.q_heads.start * d..plan.q_heads.end * d;
+    let kv_rows = plan.kv_heads.start * d..plan.kv_heads.end * d;
+    let (qd, kvd) = (cfg.heads * d, cfg.kv_heads * d);
+    let gated = cfg.hybrid.as_ref().is_some_and(|hy| hy.attn_gate);
+    let (nq, nk, nv) = (
+        t("self_attn.q_proj."),
+        t("self_attn.k_proj."),
+        t("self_attn.v_proj."),
+    );
+    let (wq, wk, wv) = (
+        nq.clone() + "weight",
+        nk.clone() + "weight",
+        nv.clone() + "weight",
+    );
+    let (bq, bk, bv) = (nq + "bias", nk + "bias", nv + "bias");
+    let centred = cfg.zero_centred_norms();
+    let qk_norm = |s: &str| {
+        cfg.qk_norm
+            .then(|| l.load_norm(&t(s), d, centred))
+            .transpose()
+    };
+    // transformers (Qwen3.5): q_proj(x).view(.., heads, 2·d).chunk(2) — each head's 2d rows
+    // are [query | gate].
+    let q_shape = [if gated { 2 * qd } else { qd }, h];
+    let kv_shape = [kvd, h];
+    let mut parts: Vec<Part<'_>> = Vec::new();
+    if gated {
+        for j in plan.q_heads.clone() {
+            parts.push((&wq, &q_shape, Slice::Rows(2 * j * d..(2 * j + 1) * d)));
+        }
+    } else {
+        parts.push((&wq, &q_shape, Slice::Rows(q_rows.clone())));
+    }
+    parts.push((&wk, &kv_shape, Slice::Rows(kv_rows.clone())));
+    parts.push((&wv, &kv_shape, Slice::Rows(kv_rows.clone())));
+    if gated {
+        for j in plan.q_heads.clone() {
+            parts.push((&wq, &q_shape, Slice::Rows((2 * j + 1) * d..(2 * j + 2) * d)));
+        }
+    }
+    Ok(AttnWeights {
+        wqkv: l.load_concat(&parts, None)?,
+        bqkv: cfg
+            .qkv_bias
+            .then(|| {
+                l.load_f32(&[
+                    (&bq, &[qd], Slice::Rows(q_rows.clone())),
+                    (&bk, &[kvd], Slice::Rows(kv_rows.clone())),
+                    (&bv, &[kvd], Slice::Rows(kv_rows.clone())),
+                ])
+            })
+            .transpose()?,
+        q_norm: qk_norm("self_attn.q_norm.weight")?,
+        k_norm: qk_norm("self_attn.k_norm.weight")?,
+        wo: l.load(
+            &t("self_attn.o_proj.weight"),
+            &[h, qd],
+            Slice::Cols(q_rows),
+            None,
+        )?,
+    })
+}
+
+/// `linear_attn` (gated DeltaNet) of layer prefix `p`, as transformers'
+/// `Qwen3_5GatedDeltaNet` names and lays it out: in_proj_qkv's rows are [q (k_heads·dk) |
+/// k (k_heads·dk) | v (v_heads·dv)], the conv's channels the same.
+fn load_delta<D: Device>(
+    l: &Loader<'_, D>,
+    cfg: &ModelConfig,
+    plan: &ShardPlan,
+    p: &str,
+) -> Result<DeltaWeights<D::Buf>, ModelError> {
+    let hy = cfg.hybrid.as_ref().expect("a DeltaNet layer is a hybrid's");
+    let h = cfg.hidden;
+    let t = |s: &str| format!("{p}linear_attn.{s}");
+    let (kr, vr) = (plan.lin_k_heads.clone(), plan.lin_v_heads.clone());
+    let key_dim = hy.k_heads * hy.dk;
+    let rows = |r: &std::ops::Range<usize>, dim: usize, base: usize| {
+        Slice::Rows(base + r.start * dim..base + r.end * dim)
+    };
+    // The rank's conv channels: its q, its k, its v.
+    let channels = [
+        rows(&kr, hy.dk, 0),
+        rows(&kr, hy.dk, key_dim),
+        rows(&vr, hy.dv, 2 * key_dim),
+    ];
+    let (wqkv, wz, wb, wa, conv) = (
+        t("in_proj_qkv.weight"),
+        t("in_proj_z.weight"),
+        t("in_proj_b.weight"),
+        t("in_proj_a.weight"),
+        t("conv1d.weight"),
+    );
+    let qkv_shape = [hy.conv_dim(), h];
+    let z_shape = [hy.v_heads * hy.dv, h];
+    let ba_shape = [hy.v_heads, h];
+    let conv_shape = [hy.conv_dim(), 1, hy.conv_kernel];
+    let mut w_in: Vec<Part<'_>> = channels
+        .iter()
+        .map(|s| (wqkv.as_str(), &qkv_shape[..], s.clone()))
+        .collect();
+    w_in.push((&wz, &z_shape, rows(&vr, hy.dv, 0)));
+    w_in.push((&wb, &ba_shape, rows(&vr, 1, 0)));
+    w_in.push((&wa, &ba_shape, rows(&vr, 1, 0)));
+    let conv_parts: Vec<Part<'_>> = channels
+        .iter()
+        .map(|s| (conv.as_str(), &conv_shape[..], s.clone()))
+        .collect();
+    let (a_log, dt_bias) = (t("A_log"), t("dt_bias"));
+    Ok(DeltaWeights {
+        w_in: l.load_concat(&w_in, None)?,
+        conv: l.load_f32(&conv_parts)?,
+        a_log: l.load_f32(&[(&a_log, &[hy.v_heads], rows(&vr, 1, 0))])?,
+        dt_bias: l.load_f32(&[(&dt_bias, &[hy.v_heads], rows(&vr, 1, 0))])?,
+        norm: l.load_norm(&t("norm.weight"), hy.dv, false)?,
+        w_out: l.load(
+            &t("out_proj.weight"),
+            &[h, hy.v_heads * hy.dv],
+            Slice::Cols(vr.start * hy.dv..vr.end * hy.dv),
+            None,
+        )?,
     })
 }
