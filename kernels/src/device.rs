@@ -168,6 +168,7 @@ pub enum Op<'a, B> {
     SiluMul(ops::SiluMul<'a, B>),
     Add(ops::Add<'a, B>),
     Matmul(ops::Matmul<'a, B>),
+    AddNormMatmul(ops::AddNormMatmul<'a, B>),
     ShardTopK(ops::ShardTopK<'a, B>),
     Sample(ops::Sample<'a, B>),
 }
@@ -189,6 +190,12 @@ impl<B> Op<'_, B> {
                 if a.m > 1 { " (prefill)" } else { "" }
             ),
             Op::Allreduce(a) if a.add_norm_op().is_some() => "allreduce+add_rms_norm".into(),
+            Op::AddNormMatmul(a) => format!(
+                "add_norm+matmul {}x{}{}",
+                a.n,
+                a.k,
+                if a.m > 1 { " (prefill)" } else { "" }
+            ),
             Op::Attention(a) if a.rows > 1 => "attention (prefill)".into(),
             other => other.name().into(),
         }
@@ -212,6 +219,7 @@ impl<B> Op<'_, B> {
             Op::SiluMul(_) => "silu_mul",
             Op::Add(_) => "add",
             Op::Matmul(_) => "matmul",
+            Op::AddNormMatmul(_) => "add_norm_matmul",
             Op::ShardTopK(_) => "shard_topk",
             Op::Sample(_) => "sample",
         }
@@ -237,6 +245,7 @@ impl<B> Op<'_, B> {
             Op::SiluMul(a) => a.validate(),
             Op::Add(a) => a.validate(),
             Op::Matmul(a) => a.validate(),
+            Op::AddNormMatmul(a) => a.validate(),
             Op::ShardTopK(a) => a.validate(),
             Op::Sample(a) => a.validate(),
         }

@@ -89,7 +89,7 @@ struct Sizes {
     /// Bytes of one layer's K (or V) cache.
     kv_bytes: usize,
     /// f32 elements of each scratch buffer, in [`Scratch`]'s field order.
-    scratch: [usize; 12],
+    scratch: [usize; 13],
 }
 
 impl Sizes {
@@ -124,6 +124,7 @@ impl Sizes {
             ops::Attention::<()>::workspace_len(1, nqh, d, max_seq),
             d / 2,
             cfg.vocab,
+            chunk * h,
         ];
         Ok(Sizes {
             max_seq,
@@ -190,6 +191,9 @@ struct Scratch<B> {
     /// Full-vocab logits [vocab] for [`Model::prefill`] / [`Model::step`] (tests and logit
     /// dumps; the decode loop never gathers them).
     full_logits: B,
+    /// The other residual buffer [C, h]: at world 1 the residual stream alternates between
+    /// `x` and `x2` (see `forward`).
+    x2: B,
 }
 
 /// The step state, u32 in device memory: `[token, position, ids[C], positions[C]]`. A
@@ -424,6 +428,7 @@ impl<D: Device> Model<D> {
             attn_ws: next()?,
             inv_freq: next()?,
             full_logits: next()?,
+            x2: next()?,
         };
         dev.write(
             &s.inv_freq,
@@ -852,38 +857,81 @@ impl<D: Device> Model<D> {
             dim: h,
             eps,
         }))?;
-        // x = x + allreduce(partial); xb = norm(x) · next_norm: the seam after each
-        // row-parallel projection.
-        let residual =
-            |comm: &mut dyn Collectives<D>, next_norm: View<'_, D::Buf>| -> Result<(), RankError> {
-                let e = AddNorm {
-                    x,
-                    w: next_norm,
-                    out: xb,
-                    rows: m,
-                    dim: h,
-                    eps,
-                };
-                if world > 1 {
-                    comm.allreduce_add_norm(o, e)
-                } else {
-                    Ok(dev.run(&Op::AddRmsNorm(e.op(o)))?)
-                }
+        // The seam after each row-parallel projection: x = x + allreduce(o); xb = norm(x) ·
+        // next_norm, one fused kernel. With no allreduce (world 1) the add + norm is left
+        // pending instead and folded into the projection that reads xb
+        // (ops::AddNormMatmul), which writes the new residual into the other of two buffers
+        // (every block of it reads all of the old one): one kernel and its launch tail less
+        // per seam.
+        let fold = world == 1;
+        let xs = [x, f32v(&s.x2, m * h)];
+        let mut cur = 0; // xs[cur] holds the residual stream
+        let seam = |comm: &mut dyn Collectives<D>, next_norm| {
+            if fold {
+                return Ok::<_, RankError>(Some(next_norm));
+            }
+            let e = AddNorm {
+                x,
+                w: next_norm,
+                out: xb,
+                rows: m,
+                dim: h,
+                eps,
             };
+            comm.allreduce_add_norm(o, e)?;
+            Ok(None)
+        };
+        // y = xb · wᵀ (+ bias), with a pending seam folded in.
+        let project = |pending: Option<View<'_, D::Buf>>,
+                       cur: &mut usize,
+                       wt: View<'_, D::Buf>,
+                       bias: Option<View<'_, D::Buf>>,
+                       y: View<'_, D::Buf>,
+                       n: usize|
+         -> Result<(), RankError> {
+            match pending {
+                None => dev.run(&Op::Matmul(ops::Matmul {
+                    x: xb,
+                    w: wt,
+                    bias,
+                    y,
+                    m,
+                    k: h,
+                    n,
+                    prologue: Prologue::None,
+                }))?,
+                Some(norm_w) => {
+                    dev.run(&Op::AddNormMatmul(ops::AddNormMatmul {
+                        x: xs[*cur],
+                        delta: o,
+                        norm_w,
+                        x_out: Some(xs[1 - *cur]),
+                        eps,
+                        w: wt,
+                        bias,
+                        y,
+                        m,
+                        k: h,
+                        n,
+                    }))?;
+                    *cur = 1 - *cur;
+                }
+            }
+            Ok(())
+        };
+        let mut pending = None;
         let nl = w.layers.len();
         for (l, (lw, kv)) in w.layers.iter().zip(kvs).enumerate() {
             // qkv = [q_proj | k_proj | v_proj](xb)   (this rank's heads, one product)
             let wqkv = nq + 2 * nkv;
-            dev.run(&Op::Matmul(ops::Matmul {
-                x: xb,
-                w: lw.wqkv.view(),
-                bias: lw.bqkv.as_ref().map(|b| b.view()),
-                y: f32v(&s.qkv, m * wqkv),
-                m,
-                k: h,
-                n: wqkv,
-                prologue: Prologue::None,
-            }))?;
+            project(
+                pending.take(),
+                &mut cur,
+                lw.wqkv.view(),
+                lw.bqkv.as_ref().map(|b| b.view()),
+                f32v(&s.qkv, m * wqkv),
+                wqkv,
+            )?;
             // q = rope(q_norm(q)); cache[pos] = rope(k_norm(k)), v   (Qwen3 norms optional)
             let cache = |b| View::new(b, 0, cap * nkv, kvt);
             dev.run(&Op::QkvRope(ops::QkvRope {
@@ -931,18 +979,16 @@ impl<D: Device> Model<D> {
                 n: h,
                 prologue: Prologue::None,
             }))?;
-            residual(comm, lw.ffn_norm.view())?;
+            pending = seam(comm, lw.ffn_norm.view())?;
             // hb = [gate_proj | up_proj](xb)
-            dev.run(&Op::Matmul(ops::Matmul {
-                x: xb,
-                w: lw.w_gate_up.view(),
-                bias: None,
-                y: f32v(&s.hb, m * 2 * ni),
-                m,
-                k: h,
-                n: 2 * ni,
-                prologue: Prologue::None,
-            }))?;
+            project(
+                pending.take(),
+                &mut cur,
+                lw.w_gate_up.view(),
+                None,
+                f32v(&s.hb, m * 2 * ni),
+                2 * ni,
+            )?;
             // x = x + allreduce(down_proj(silu(gate) · up)); xb = the next layer's
             // input_layernorm(x), or the final norm after the last layer.
             dev.run(&Op::Matmul(ops::Matmul {
@@ -960,23 +1006,39 @@ impl<D: Device> Model<D> {
             } else {
                 w.norm.view()
             };
-            residual(comm, next)?;
+            pending = seam(comm, next)?;
         }
         if !logits {
             return Ok(());
         }
         // logits[vocab shard] = lm_head(norm(x))[last position]
-        let head = w.head();
-        dev.run(&Op::Matmul(ops::Matmul {
-            x: View::new(&s.xb, (m - 1) * h * 4, h, DType::F32),
-            w: head.view(),
-            bias: None,
-            y: f32v(&s.logits, plan.vocab.len()),
-            m: 1,
-            k: h,
-            n: plan.vocab.len(),
-            prologue: Prologue::None,
-        }))?;
+        let (head, y) = (w.head().view(), f32v(&s.logits, plan.vocab.len()));
+        let op = match pending {
+            None => Op::Matmul(ops::Matmul {
+                x: xb.slice((m - 1) * h, h),
+                w: head,
+                bias: None,
+                y,
+                m: 1,
+                k: h,
+                n: plan.vocab.len(),
+                prologue: Prologue::None,
+            }),
+            Some(norm_w) => Op::AddNormMatmul(ops::AddNormMatmul {
+                x: xs[cur].slice((m - 1) * h, h),
+                delta: o.slice((m - 1) * h, h),
+                norm_w,
+                x_out: None,
+                eps,
+                w: head,
+                bias: None,
+                y,
+                m: 1,
+                k: h,
+                n: plan.vocab.len(),
+            }),
+        };
+        dev.run(&op)?;
         Ok(())
     }
 }
