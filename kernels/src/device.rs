@@ -169,6 +169,7 @@ pub enum Op<'a, B> {
     SigmoidMul(ops::SigmoidMul<'a, B>),
     Add(ops::Add<'a, B>),
     Matmul(ops::Matmul<'a, B>),
+    AddNormMatmul(ops::AddNormMatmul<'a, B>),
     ShardTopK(ops::ShardTopK<'a, B>),
     Sample(ops::Sample<'a, B>),
 }
@@ -190,6 +191,12 @@ impl<B> Op<'_, B> {
                 if a.m > 1 { " (prefill)" } else { "" }
             ),
             Op::Allreduce(a) if a.add_norm_op().is_some() => "allreduce+add_rms_norm".into(),
+            Op::AddNormMatmul(a) => format!(
+                "add_norm+matmul {}x{}{}",
+                a.n,
+                a.k,
+                if a.m > 1 { " (prefill)" } else { "" }
+            ),
             Op::Attention(a) if a.rows > 1 => "attention (prefill)".into(),
             other => other.name().into(),
         }
@@ -214,6 +221,7 @@ impl<B> Op<'_, B> {
             Op::SigmoidMul(_) => "sigmoid_mul",
             Op::Add(_) => "add",
             Op::Matmul(_) => "matmul",
+            Op::AddNormMatmul(_) => "add_norm_matmul",
             Op::ShardTopK(_) => "shard_topk",
             Op::Sample(_) => "sample",
         }
@@ -240,6 +248,7 @@ impl<B> Op<'_, B> {
             Op::SigmoidMul(a) => a.validate(),
             Op::Add(a) => a.validate(),
             Op::Matmul(a) => a.validate(),
+            Op::AddNormMatmul(a) => a.validate(),
             Op::ShardTopK(a) => a.validate(),
             Op::Sample(a) => a.validate(),
         }

@@ -557,6 +557,47 @@ impl<B> Matmul<'_, B> {
     }
 }
 
+/// The residual seam folded into the projection that reads it, for world 1 where no allreduce
+/// carries the add + norm: `s = x + delta` (also written to `x_out` when given), then
+/// `y = (rms_norm(s) · norm_w) · wᵀ (+ bias)`, accumulated in f32. Equals [`AddRmsNorm`]
+/// followed by a [`Matmul`] without prologue (up to rounding: the GPU scales the dot
+/// products by the row's 1/rms instead of scaling the input). `x`, `delta`: [m, k] f32;
+/// `x_out`: [m, k] f32, not overlapping `x`, `delta` or `y` (the residual stream ping-pongs
+/// between two buffers, since every block reads all of `x`); `norm_w`: [k] f32; `w`: [n, k]
+/// (f32, f16 or bf16); `bias`: [n] f32; `y`: [m, n] f32, not overlapping the inputs.
+pub struct AddNormMatmul<'a, B> {
+    pub x: View<'a, B>,
+    pub delta: View<'a, B>,
+    pub norm_w: View<'a, B>,
+    pub x_out: Option<View<'a, B>>,
+    pub eps: f32,
+    pub w: View<'a, B>,
+    pub bias: Option<View<'a, B>>,
+    pub y: View<'a, B>,
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+}
+
+impl<B> AddNormMatmul<'_, B> {
+    pub fn validate(&self) -> Result<()> {
+        let op = "add_norm_matmul";
+        let mk = self.m * self.k;
+        expect(op, "x", &self.x, mk, F32)?;
+        expect(op, "delta", &self.delta, mk, F32)?;
+        if let Some(o) = &self.x_out {
+            expect(op, "x_out", o, mk, F32)?;
+        }
+        expect(op, "norm_w", &self.norm_w, self.k, F32)?;
+        expect(op, "w", &self.w, self.n * self.k, None)?;
+        expect(op, "y", &self.y, self.m * self.n, F32)?;
+        if let Some(b) = &self.bias {
+            expect(op, "bias", b, self.n, F32)?;
+        }
+        Ok(())
+    }
+}
+
 /// The token [`Sample`] gives when the logits were not finite: no token id can be this
 /// (vocab ids are below 2^24), and the embedding of a step fed with it is zeros (an id outside
 /// every rank's shard), so a step queued behind it runs harmlessly until the host reads it.

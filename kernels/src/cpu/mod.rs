@@ -130,6 +130,7 @@ impl Device for CpuDevice {
             Op::SigmoidMul(a) => ops::elementwise::sigmoid_mul(self, &a.x, &a.gate, &a.out),
             Op::Add(a) => ops::elementwise::add(self, &a.a, &a.b, &a.out),
             Op::Matmul(a) => ops::decode::matmul(self, a),
+            Op::AddNormMatmul(a) => ops::decode::add_norm_matmul(self, a),
             Op::ShardTopK(a) => ops::decode::shard_topk(a),
             Op::Sample(a) => ops::decode::sample(a),
         }

@@ -18,7 +18,7 @@ use super::twin::{self, Buf, Tol, TwinCase};
 use super::{CudaDevice, SelftestResult};
 use crate::cpu::CpuDevice;
 use crate::device::{Op, View};
-use crate::ops::{Matmul, Prologue};
+use crate::ops::{AddNormMatmul, Matmul, Prologue};
 use crate::{DType, KernelError, Result};
 
 /// The kernels of gemv.cu, in the order the launchers index them: [`kernel_index`].
@@ -29,18 +29,44 @@ pub(crate) const NAMES: &[&str] = &[
     "gemv_silu_f32",
     "gemv_silu_f16",
     "gemv_silu_bf16",
+    "gemv_norm_f32",
+    "gemv_norm_f16",
+    "gemv_norm_bf16",
     "gemm_f32",
     "gemm_f16",
     "gemm_bf16",
     "gemm_silu_f32",
     "gemm_silu_f16",
     "gemm_silu_bf16",
+    "gemm_norm_f32",
+    "gemm_norm_f16",
+    "gemm_norm_bf16",
 ];
+
+/// What a kernel does to x before the product (gemv.cu TP_ACT_*): a [`Matmul`]'s prologue,
+/// or [`AddNormMatmul`]'s residual add + RMSNorm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Act {
+    None,
+    Silu,
+    Norm,
+}
+
+impl From<Prologue> for Act {
+    fn from(p: Prologue) -> Act {
+        match p {
+            Prologue::None => Act::None,
+            Prologue::SiluMul => Act::Silu,
+        }
+    }
+}
 
 /// Output rows per wave (gemv.cu TP_GEMV_ROWS): every kernel but `gemv_silu_*`.
 const ROWS: usize = 2;
 /// Output rows per wave of `gemv_silu_*` (gemv.cu TP_GEMV_ROWS_SILU).
 const ROWS_SILU: usize = 4;
+/// Output rows per wave of `gemv_norm_*` (gemv.cu TP_GEMV_ROWS_NORM).
+const ROWS_NORM: usize = 4;
 /// Tokens per tile of `gemm_*` (gemv.cu TP_GEMV_TOKENS).
 const TOKENS: usize = 8;
 /// Lanes of a wave on every NVIDIA GPU (portable.h TP_WAVE).
@@ -64,19 +90,24 @@ struct GemvParams {
     k: u32,
     n: u32,
     vec: u32,
+    delta: u64,
+    norm_w: u64,
+    x_out: u64,
+    eps: f32,
+    pad: u32,
 }
-const _: () = assert!(std::mem::size_of::<GemvParams>() == 48);
+const _: () = assert!(std::mem::size_of::<GemvParams>() == 80);
 
-/// Index into [`NAMES`]: 6 · (m > 1) + 3 · (SiluMul) + weight dtype (f32, f16, bf16).
-fn kernel_index(m: usize, prologue: Prologue, dtype: DType) -> Result<usize> {
+/// Index into [`NAMES`]: 9 · (m > 1) + 3 · act (none, silu, norm) + weight dtype (f32, f16,
+/// bf16).
+fn kernel_index(m: usize, act: Act, dtype: DType) -> Result<usize> {
     let d = match dtype {
         DType::F32 => 0,
         DType::F16 => 1,
         DType::BF16 => 2,
         DType::U32 => return Err(KernelError::Invalid("matmul: u32 weights".into())),
     };
-    let silu = usize::from(prologue == Prologue::SiluMul);
-    Ok(6 * usize::from(m > 1) + 3 * silu + d)
+    Ok(9 * usize::from(m > 1) + 3 * act as usize + d)
 }
 
 /// What one launch needs: the kernel, grid and block.
@@ -89,12 +120,12 @@ struct Plan {
 
 /// One wave per row group of R outputs; `MAX_WAVES` waves per block, halved while that would
 /// leave fewer than two blocks per SM; one grid row per tile of [`TOKENS`] tokens when m > 1.
-fn plan(m: usize, n: usize, prologue: Prologue, dtype: DType, sms: u32) -> Result<Plan> {
-    let index = kernel_index(m, prologue, dtype)?;
-    let rows = if m == 1 && prologue == Prologue::SiluMul {
-        ROWS_SILU
-    } else {
-        ROWS
+fn plan(m: usize, n: usize, act: Act, dtype: DType, sms: u32) -> Result<Plan> {
+    let index = kernel_index(m, act, dtype)?;
+    let rows = match (m, act) {
+        (1, Act::Silu) => ROWS_SILU,
+        (1, Act::Norm) => ROWS_NORM,
+        _ => ROWS,
     };
     let groups = n.div_ceil(rows);
     let mut waves = MAX_WAVES;
@@ -119,58 +150,127 @@ fn overlap(a: u64, la: usize, b: u64, lb: usize) -> bool {
     la > 0 && lb > 0 && a < b + lb as u64 && b < a + la as u64
 }
 
+/// AddNormMatmul's extra inputs, as the kernel takes them.
+struct NormIn<'v> {
+    delta: &'v View<'v, CudaBuf>,
+    norm_w: &'v View<'v, CudaBuf>,
+    x_out: Option<&'v View<'v, CudaBuf>>,
+    eps: f32,
+}
+
 /// Queues one op of this family.
 pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
-    let Op::Matmul(a) = op else {
-        return Err(KernelError::Invalid(format!(
+    match op {
+        Op::Matmul(a) => gemv(
+            l,
+            (&a.x, &a.w, a.bias.as_ref(), &a.y),
+            (a.m, a.k, a.n),
+            a.prologue.into(),
+            None,
+        ),
+        Op::AddNormMatmul(a) => gemv(
+            l,
+            (&a.x, &a.w, a.bias.as_ref(), &a.y),
+            (a.m, a.k, a.n),
+            Act::Norm,
+            Some(NormIn {
+                delta: &a.delta,
+                norm_w: &a.norm_w,
+                x_out: a.x_out.as_ref(),
+                eps: a.eps,
+            }),
+        ),
+        _ => Err(KernelError::Invalid(format!(
             "gemv launcher got '{}'",
             op.name()
-        )));
+        ))),
+    }
+}
+
+type Operands<'v> = (
+    &'v View<'v, CudaBuf>,
+    &'v View<'v, CudaBuf>,
+    Option<&'v View<'v, CudaBuf>>,
+    &'v View<'v, CudaBuf>,
+);
+
+fn gemv(
+    l: &Launcher<'_>,
+    (x, w, bias, y): Operands<'_>,
+    (m, k, n): (usize, usize, usize),
+    act: Act,
+    norm: Option<NormIn<'_>>,
+) -> Result<()> {
+    let op = if act == Act::Norm {
+        "add_norm_matmul"
+    } else {
+        "matmul"
     };
-    let bad = |why: String| KernelError::Invalid(format!("matmul: {why}"));
+    let bad = |why: String| KernelError::Invalid(format!("{op}: {why}"));
     // The kernel indexes with u32 (row groups, tiles, packs); i32::MAX leaves it headroom.
     let limit = i32::MAX as usize;
-    if a.m > limit || a.k > limit || a.n > limit {
-        return Err(bad(format!(
-            "[{}, {}] x [{}, {}] exceeds 2^31",
-            a.m, a.k, a.n, a.k
-        )));
+    if m > limit || k > limit || n > limit {
+        return Err(bad(format!("[{m}, {k}] x [{n}, {k}] exceeds 2^31")));
     }
-    let x = a.x.buf.addr(a.x.offset, a.x.bytes())?;
-    let w = a.w.buf.addr(a.w.offset, a.w.bytes())?;
-    let y = a.y.buf.addr(a.y.offset, a.y.bytes())?;
-    let bias = match &a.bias {
-        Some(b) => b.buf.addr(b.offset, b.bytes())?,
-        None => 0,
+    let addr = |v: &View<'_, CudaBuf>| v.buf.addr(v.offset, v.bytes());
+    let (xa, wa, ya) = (addr(x)?, addr(w)?, addr(y)?);
+    let ba = bias.map(addr).transpose()?.unwrap_or(0);
+    let (da, na, oa) = match &norm {
+        Some(nm) => (
+            addr(nm.delta)?,
+            addr(nm.norm_w)?,
+            nm.x_out.map(addr).transpose()?.unwrap_or(0),
+        ),
+        None => (0, 0, 0),
     };
-    let esize = a.w.dtype.size() as u64;
-    if !(x.is_multiple_of(4)
-        && y.is_multiple_of(4)
-        && bias.is_multiple_of(4)
-        && w.is_multiple_of(esize))
-    {
+    let esize = w.dtype.size() as u64;
+    let f32s = [xa, ya, ba, da, na, oa];
+    if !(f32s.iter().all(|a| a.is_multiple_of(4)) && wa.is_multiple_of(esize)) {
         return Err(bad("a view is not aligned to its element size".into()));
     }
-    if overlap(y, a.y.bytes(), x, a.x.bytes()) || overlap(y, a.y.bytes(), w, a.w.bytes()) {
+    let writes_over =
+        |a: u64, la: usize, v: &View<'_, CudaBuf>, b: u64| overlap(a, la, b, v.bytes());
+    if writes_over(ya, y.bytes(), x, xa) || writes_over(ya, y.bytes(), w, wa) {
         return Err(bad("y overlaps x or w".into()));
     }
-    if a.m == 0 || a.n == 0 {
+    if let Some(nm) = &norm {
+        if writes_over(ya, y.bytes(), nm.delta, da) {
+            return Err(bad("y overlaps delta".into()));
+        }
+        if let Some(o) = nm.x_out {
+            let ob = o.bytes();
+            if writes_over(oa, ob, x, xa)
+                || writes_over(oa, ob, nm.delta, da)
+                || writes_over(oa, ob, y, ya)
+            {
+                return Err(bad("x_out overlaps x, delta or y".into()));
+            }
+        }
+    }
+    if m == 0 || n == 0 {
         return Ok(());
     }
-    // The 16-byte path: x and w aligned, k whole packs (4 f32 or 8 f16/bf16 per 16 bytes), so
-    // that every row of x, gate, up and w starts 16-byte aligned too.
-    let pack = 16 / a.w.dtype.size();
-    let vec = a.k.is_multiple_of(pack) && x.is_multiple_of(16) && w.is_multiple_of(16);
-    let p = plan(a.m, a.n, a.prologue, a.w.dtype, l.sms)?;
+    // The 16-byte path: every f32 row and w aligned, k whole packs (4 f32 or 8 f16/bf16 per
+    // 16 bytes), so that every row of x, gate, up, delta, x_out and w starts aligned too.
+    let pack = 16 / w.dtype.size();
+    let vec = k.is_multiple_of(pack)
+        && wa.is_multiple_of(16)
+        && [xa, da, na, oa].iter().all(|a| a.is_multiple_of(16));
+    let p = plan(m, n, act, w.dtype, l.sms)?;
     let mut params = GemvParams {
-        x,
-        w,
-        bias,
-        y,
-        m: a.m as u32,
-        k: a.k as u32,
-        n: a.n as u32,
+        x: xa,
+        w: wa,
+        bias: ba,
+        y: ya,
+        m: m as u32,
+        k: k as u32,
+        n: n as u32,
         vec: u32::from(vec),
+        delta: da,
+        norm_w: na,
+        x_out: oa,
+        eps: norm.as_ref().map_or(0.0, |nm| nm.eps),
+        pad: 0,
     };
     let f = l.kernels.func(Module::Gemv, p.index);
     // SAFETY: GemvParams mirrors gemv.cu's parameter struct (size asserted above); every
@@ -190,26 +290,28 @@ struct Spec {
     n: usize,
     dtype: DType,
     bias: bool,
-    prologue: Prologue,
+    act: Act,
     offset: usize,
 }
 
 impl Spec {
     /// Elements of one row of x.
     fn xk(&self) -> usize {
-        match self.prologue {
-            Prologue::None => self.k,
-            Prologue::SiluMul => 2 * self.k,
+        match self.act {
+            Act::Silu => 2 * self.k,
+            Act::None | Act::Norm => self.k,
         }
     }
 }
 
-/// A twin case: its shape and its inputs.
+/// A twin case: its shape and its inputs (`d`, `g`: AddNormMatmul's delta and norm weights).
 struct MatmulCase {
     s: Spec,
     x: Vec<u8>,
     w: Vec<u8>,
     b: Vec<u8>,
+    d: Vec<u8>,
+    g: Vec<u8>,
 }
 
 /// The cases of [`specs`], generated one at a time so that only one case's inputs are in
@@ -227,11 +329,20 @@ fn cases(seed: u64) -> impl Iterator<Item = MatmulCase> {
             _ => pooled(&mut rng, s.dtype, s.offset + s.n * s.k, -5..=-1),
         };
         last = Some((s, w.clone()));
+        let norm = s.act == Act::Norm;
+        let mk = if norm { s.offset + s.m * s.k } else { 0 };
         MatmulCase {
             s,
             x: pooled(&mut rng, DType::F32, s.offset + s.m * s.xk(), -3..=1),
             w,
             b: pooled(&mut rng, DType::F32, s.n, -2..=2),
+            d: pooled(&mut rng, DType::F32, mk, -3..=1),
+            g: pooled(
+                &mut rng,
+                DType::F32,
+                if norm { s.offset + s.k } else { 0 },
+                -1..=1,
+            ),
         }
     })
 }
@@ -269,10 +380,10 @@ impl TwinCase for MatmulCase {
             self.s.k,
             self.s.n,
             if self.s.bias { " bias" } else { "" },
-            if self.s.prologue == Prologue::SiluMul {
-                " silu_mul"
-            } else {
-                ""
+            match self.s.act {
+                Act::None => "",
+                Act::Silu => " silu_mul",
+                Act::Norm => " add_norm",
             },
             if self.s.offset > 0 { " unaligned" } else { "" },
         )
@@ -282,30 +393,63 @@ impl TwinCase for MatmulCase {
         (self.s.dtype, self.s.n * self.s.k)
     }
 
+    /// x, w, [bias], y, then with AddNorm: delta, norm_w, x_out (written).
     fn bufs(&self) -> Vec<Buf> {
+        let s = &self.s;
         let mut b = vec![
             Buf::input(DType::F32, self.x.clone()),
-            Buf::input(self.s.dtype, self.w.clone()),
+            Buf::input(s.dtype, self.w.clone()),
         ];
-        if self.s.bias {
+        if s.bias {
             b.push(Buf::input(DType::F32, self.b.clone()));
         }
-        b.push(Buf::output(DType::F32, self.s.m * self.s.n));
+        b.push(Buf::output(DType::F32, s.m * s.n));
+        if s.act == Act::Norm {
+            b.push(Buf::input(DType::F32, self.d.clone()));
+            b.push(Buf::input(DType::F32, self.g.clone()));
+            b.push(Buf::output(DType::F32, s.m * s.k));
+        }
         b
     }
 
     fn op<'a, B>(&self, v: &'a [View<'a, B>]) -> Op<'a, B> {
-        let xk = self.s.xk();
-        Op::Matmul(Matmul {
-            x: v[0].slice(self.s.offset, self.s.m * xk),
-            w: v[1].slice(self.s.offset, self.s.n * self.s.k),
-            bias: self.s.bias.then(|| v[2]),
-            y: v[v.len() - 1],
-            m: self.s.m,
-            k: self.s.k,
-            n: self.s.n,
-            prologue: self.s.prologue,
-        })
+        let s = &self.s;
+        let x = v[0].slice(s.offset, s.m * s.xk());
+        let w = v[1].slice(s.offset, s.n * s.k);
+        let bias = s.bias.then(|| v[2]);
+        let y = v[2 + usize::from(s.bias)];
+        match s.act {
+            Act::Norm => {
+                let e = 3 + usize::from(s.bias);
+                Op::AddNormMatmul(AddNormMatmul {
+                    x,
+                    delta: v[e].slice(s.offset, s.m * s.k),
+                    norm_w: v[e + 1].slice(s.offset, s.k),
+                    x_out: Some(v[e + 2]),
+                    eps: 1e-5,
+                    w,
+                    bias,
+                    y,
+                    m: s.m,
+                    k: s.k,
+                    n: s.n,
+                })
+            }
+            act => Op::Matmul(Matmul {
+                x,
+                w,
+                bias,
+                y,
+                m: s.m,
+                k: s.k,
+                n: s.n,
+                prologue: if act == Act::Silu {
+                    Prologue::SiluMul
+                } else {
+                    Prologue::None
+                },
+            }),
+        }
     }
 
     /// Both sides sum k f32 products in different orders (CPU: 16 lanes of k/16 terms, then
@@ -334,43 +478,48 @@ pub(crate) fn selftest(
 }
 
 fn specs() -> Vec<Spec> {
-    let spec = |m, k, n, dtype, bias, silu: bool, offset| Spec {
+    let spec = |m, k, n, dtype, bias, act, offset| Spec {
         m,
         k,
         n,
         dtype,
         bias,
-        prologue: if silu {
-            Prologue::SiluMul
-        } else {
-            Prologue::None
-        },
+        act,
         offset,
     };
+    let (none, silu, norm) = (Act::None, Act::Silu, Act::Norm);
     let mut v = Vec::new();
     let mut i = 0usize;
     for dtype in DType::ALL {
         for k in [8usize, 1000, 4096, 4101] {
             for n in [1usize, 37, 512] {
                 for m in [1usize, 3, 9] {
-                    let (bias, silu) =
-                        [(false, false), (true, false), (false, true), (true, true)][i % 4];
-                    v.push(spec(m, k, n, dtype, bias, silu, 0));
+                    let (bias, act) = [
+                        (false, none),
+                        (true, silu),
+                        (false, norm),
+                        (true, none),
+                        (false, silu),
+                        (true, norm),
+                    ][i % 6];
+                    v.push(spec(m, k, n, dtype, bias, act, 0));
                     i += 1;
                 }
             }
         }
         // Views one element off 16-byte alignment (x by 4 bytes, w by one element), with a k
         // that would otherwise take the 16-byte path.
-        for (m, silu) in [(1usize, false), (1, true), (3, true)] {
-            v.push(spec(m, 1024, 37, dtype, true, silu, 1));
+        for (m, act) in [(1usize, none), (1, silu), (3, silu), (1, norm), (3, norm)] {
+            v.push(spec(m, 1024, 37, dtype, true, act, 1));
         }
     }
     // Decode-sized: 2048 row groups of 2, 4 waves per block, several blocks per SM; the
-    // prologue's 4-row groups; and a prefill of 2 full tiles and a partial one.
-    v.push(spec(1, 2048, 4096, DType::BF16, false, false, 0));
-    v.push(spec(1, 2048, 4096, DType::BF16, false, true, 0));
-    v.push(spec(19, 512, 1000, DType::F16, true, true, 0));
+    // prologues' 4-row groups; and prefills of 2 full tiles and a partial one.
+    v.push(spec(1, 2048, 4096, DType::BF16, false, none, 0));
+    v.push(spec(1, 2048, 4096, DType::BF16, false, silu, 0));
+    v.push(spec(1, 4096, 6144, DType::BF16, false, norm, 0));
+    v.push(spec(19, 512, 1000, DType::F16, true, silu, 0));
+    v.push(spec(19, 512, 1000, DType::BF16, true, norm, 0));
     v
 }
 
@@ -382,14 +531,14 @@ mod tests {
     #[test]
     fn names_follow_the_index() {
         for (m, mp) in [(1usize, "gemv"), (2, "gemm")] {
-            for (pro, pp) in [(Prologue::None, ""), (Prologue::SiluMul, "_silu")] {
+            for (act, pp) in [(Act::None, ""), (Act::Silu, "_silu"), (Act::Norm, "_norm")] {
                 for d in DType::ALL {
-                    let i = kernel_index(m, pro, d).unwrap();
+                    let i = kernel_index(m, act, d).unwrap();
                     assert_eq!(NAMES[i], format!("{mp}{pp}_{d}"));
                 }
             }
         }
-        assert!(kernel_index(1, Prologue::None, DType::U32).is_err());
+        assert!(kernel_index(1, Act::None, DType::U32).is_err());
     }
 
     /// The `#define`s of gemv.cu must equal the Rust mirrors, and the kernel macro must
@@ -400,6 +549,7 @@ mod tests {
         let def = |name: &str| crate::cuda::twin::testing::cu_define(src, name);
         assert_eq!(def("TP_GEMV_ROWS"), ROWS.to_string());
         assert_eq!(def("TP_GEMV_ROWS_SILU"), ROWS_SILU.to_string());
+        assert_eq!(def("TP_GEMV_ROWS_NORM"), ROWS_NORM.to_string());
         assert_eq!(def("TP_GEMV_TOKENS"), TOKENS.to_string());
         let order: Vec<usize> = ["(f32, F32)", "(f16, GemvF16)", "(bf16, BF16)"]
             .iter()
@@ -415,7 +565,7 @@ mod tests {
     fn plan_fills_the_sms_and_tiles_tokens() {
         let sms = 132;
         // [4096, 4096] decode: 2048 row groups, 4 waves per block = 512 blocks.
-        let p = plan(1, 4096, Prologue::None, DType::BF16, sms).unwrap();
+        let p = plan(1, 4096, Act::None, DType::BF16, sms).unwrap();
         assert_eq!(
             p,
             Plan {
@@ -426,7 +576,7 @@ mod tests {
         );
         // down_proj with the prologue: 1024 groups of 4; 256 blocks of 4 waves would be under
         // 2 per SM, so 512 blocks of 2 waves.
-        let p = plan(1, 4096, Prologue::SiluMul, DType::BF16, sms).unwrap();
+        let p = plan(1, 4096, Act::Silu, DType::BF16, sms).unwrap();
         assert_eq!(
             p,
             Plan {
@@ -436,7 +586,7 @@ mod tests {
             }
         );
         // Small n: one wave per block.
-        let p = plan(1, 37, Prologue::None, DType::F32, sms).unwrap();
+        let p = plan(1, 37, Act::None, DType::F32, sms).unwrap();
         assert_eq!(
             p,
             Plan {
@@ -446,16 +596,26 @@ mod tests {
             }
         );
         // Prefill: 2-row groups whatever the prologue, tiles of 8 tokens.
-        let p = plan(9, 512, Prologue::SiluMul, DType::F16, sms).unwrap();
+        let p = plan(9, 512, Act::Silu, DType::F16, sms).unwrap();
         assert_eq!(
             p,
             Plan {
-                index: 10,
+                index: 13,
                 grid: (256, 2, 1),
                 block: 32
             }
         );
-        let p = plan(1 << 20, 4096, Prologue::None, DType::BF16, sms).unwrap();
+        // qkv with the add + norm folded in: 1536 groups of 4, 384 blocks of 4 waves.
+        let p = plan(1, 6144, Act::Norm, DType::BF16, sms).unwrap();
+        assert_eq!(
+            p,
+            Plan {
+                index: 8,
+                grid: (384, 1, 1),
+                block: 128
+            }
+        );
+        let p = plan(1 << 20, 4096, Act::None, DType::BF16, sms).unwrap();
         assert_eq!(p.grid, (512, MAX_GRID_Y as u32, 1));
     }
 
@@ -475,7 +635,7 @@ mod tests {
             n: 5,
             dtype: DType::BF16,
             bias: true,
-            prologue: Prologue::SiluMul,
+            act: Act::Silu,
             offset: 1,
         };
         let mut rng = Rng::new(1);
@@ -484,6 +644,8 @@ mod tests {
             x: pooled(&mut rng, DType::F32, 1 + 3 * s.xk(), 0..=0),
             w: pooled(&mut rng, DType::BF16, 1 + 5 * 10, 0..=0),
             b: pooled(&mut rng, DType::F32, 5, 0..=0),
+            d: Vec::new(),
+            g: Vec::new(),
         };
         let b = c.bufs();
         assert_eq!(b.len(), 4);

@@ -4,7 +4,16 @@
 // (Prologue::SiluMul, x is [m, 2k], each row [gate | up]), computed as x is read.
 //
 // Owns: the matrix–vector product of decode (m = 1) and the token-tiled product of prefill.
-// Must not: write anything but y (no scratch, no second pass: one launch per matmul).
+// Also AddNormMatmul (ops.rs; CPU twin decode.rs `add_norm_matmul`): the residual seam of a
+// world-1 decoder folded into the projection that reads it. f(x) = (x + delta) · norm_w and
+// each wave also sums (x + delta)² over the elements it reads; since every wave reads the
+// whole row, that is the row's full square sum, so no block-wide pass is needed: the wave
+// multiplies its finished dot products by 1/rms = rsqrt(Σ/k + eps). The wave of row group 0
+// also writes x + delta to x_out (the next residual; another buffer, since every wave reads
+// x). That saves the separate add + norm kernel and its launch tail between two GEMVs.
+//
+// Must not: write anything but y and x_out (no scratch, no second pass: one launch per
+// matmul).
 //
 // Mapping. Each wave (TP_WAVE lanes) owns R consecutive output features ("a row group"; R is
 // TP_GEMV_ROWS, or TP_GEMV_ROWS_SILU with the prologue) and streams those R weight rows once,
@@ -78,15 +87,36 @@
 #define TP_GEMV_TOKENS 8         // MT: tokens per tile when m > 1
 #define TP_GEMV_UNROLL 8         // U · R: 16-byte weight loads in flight per lane (m = 1)
 #define TP_GEMV_UNROLL_SILU 16   // the same with the prologue
+#define TP_GEMV_ROWS_NORM 4      // R with the AddNorm prologue (amortises its two extra loads)
 
 // kernels/src/cuda/ops_gemv.rs `GemvParams`, passed by value.
 struct GemvParams {
-    u64 x;     // f32 [m, k], or [m, 2k] with the prologue
-    u64 w;     // [n, k], the kernel's dtype
-    u64 bias;  // f32 [n], or 0 for none
-    u64 y;     // f32 [m, n]
+    u64 x;      // f32 [m, k], or [m, 2k] with the SiluMul prologue
+    u64 w;      // [n, k], the kernel's dtype
+    u64 bias;   // f32 [n], or 0 for none
+    u64 y;      // f32 [m, n]
     u32 m, k, n;
-    u32 vec;   // 1: x and w 16-byte aligned and k a multiple of the pack (see Alignment)
+    u32 vec;    // 1: x, w (and delta, norm_w, x_out) 16-byte aligned, k whole packs
+    u64 delta;  // AddNorm: f32 [m, k], added to x
+    u64 norm_w; // AddNorm: f32 [k]
+    u64 x_out;  // AddNorm: f32 [m, k] gets x + delta, or 0
+    float eps;  // AddNorm: the RMSNorm epsilon
+    u32 pad;
+};
+
+// What f does to x (the op's Prologue, or AddNormMatmul).
+#define TP_ACT_NONE 0
+#define TP_ACT_SILU 1
+#define TP_ACT_NORM 2
+
+// The input rows of one token tile, and the AddNorm prologue's running state.
+template <int MT>
+struct GemvRows {
+    const float* x[MT];  // x rows ([gate | up] with SiluMul)
+    const float* d[MT];  // AddNorm: delta rows
+    float* out[MT];      // AddNorm: where this wave stores x + delta, or null
+    const float* nw;     // AddNorm: norm weights [k]
+    float ss[MT];        // AddNorm: this lane's share of Σ (x + delta)²
 };
 
 TP_DEV u32 gemv_min(u32 a, u32 b) { return a < b ? a : b; }
@@ -141,21 +171,58 @@ TP_DEV void gemv_ld_x(const float* row, u64 i, float* out) {
     }
 }
 
-// The input elements i .. i + V of one token: x itself, or silu(gate) · up.
-template <int V, bool SILU>
-TP_DEV void gemv_act(const float* row, u32 k, u64 i, float* a) {
-    gemv_ld_x<V>(row, i, a);
-    if (SILU) {
+// The input elements i .. i + V of token t: x itself, silu(gate) · up, or (x + delta) ·
+// norm_w, whose square sum the lane accumulates (the 1/rms scales the finished dot products)
+// and which the storing wave writes out.
+template <int V, int ACT, int MT>
+TP_DEV void gemv_act(GemvRows<MT>& in, int t, u32 k, u64 i, float* a) {
+    gemv_ld_x<V>(in.x[t], i, a);
+    if (ACT == TP_ACT_SILU) {
         float u[V];
-        gemv_ld_x<V>(row + k, i, u);
+        gemv_ld_x<V>(in.x[t] + k, i, u);
 #pragma unroll
         for (int e = 0; e < V; ++e) a[e] = gemv_silu_mul(a[e], u[e]);
     }
+    if (ACT == TP_ACT_NORM) {
+        float d[V], g[V];
+        gemv_ld_x<V>(in.d[t], i, d);
+        gemv_ld_x<V>(in.nw, i, g);
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+            a[e] += d[e];
+            in.ss[t] = fmaf(a[e], a[e], in.ss[t]);
+        }
+        if (in.out[t]) {
+#pragma unroll
+            for (int q = 0; q < V / 4; ++q) {
+                V16 v;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) v.w[j] = tp_f32_bits(a[4 * q + j]);
+                *(V16*)(in.out[t] + i + 4 * q) = v;
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < V; ++e) a[e] *= g[e];
+    }
+}
+
+// The scalar path's one element j of token t (as gemv_act).
+template <int ACT, int MT>
+TP_DEV float gemv_act1(GemvRows<MT>& in, int t, u32 k, u32 j) {
+    float a = in.x[t][j];
+    if (ACT == TP_ACT_SILU) a = gemv_silu_mul(a, in.x[t][k + j]);
+    if (ACT == TP_ACT_NORM) {
+        a += in.d[t][j];
+        in.ss[t] = fmaf(a, a, in.ss[t]);
+        if (in.out[t]) in.out[t][j] = a;
+        a *= in.nw[j];
+    }
+    return a;
 }
 
 // acc[r][t] += Σ_e f(x)[t][i + e] · w[r][i + e] over the one pack i of each of the R rows.
-template <class W, int R, int MT, bool SILU>
-TP_DEV void gemv_pack(const V16 (&wv)[R], const float* const (&xr)[MT], u32 k, u64 i,
+template <class W, int R, int MT, int ACT>
+TP_DEV void gemv_pack(const V16 (&wv)[R], GemvRows<MT>& in, u32 k, u64 i,
                       float (&acc)[R][MT]) {
     float wf[R][W::V];
 #pragma unroll
@@ -163,7 +230,7 @@ TP_DEV void gemv_pack(const V16 (&wv)[R], const float* const (&xr)[MT], u32 k, u
 #pragma unroll
     for (int t = 0; t < MT; ++t) {
         float a[W::V];
-        gemv_act<W::V, SILU>(xr[t], k, i, a);
+        gemv_act<W::V, ACT, MT>(in, t, k, i, a);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
 #pragma unroll
@@ -186,8 +253,8 @@ TP_DEV void gemv_wait_once(bool& waited) {
 // `waited`: whether this thread has passed tp_pdl_wait(). The first weight loads are issued
 // before it (weights are written by no kernel of the step), so under programmatic dependent
 // launch they overlap the end of the kernel before; x, its output, is read only after.
-template <class W, int R, int MT, int U, bool SILU>
-TP_DEV void gemv_dot_vec(const u8* const (&wr)[R], const float* const (&xr)[MT], u32 k, u32 lane,
+template <class W, int R, int MT, int U, int ACT>
+TP_DEV void gemv_dot_vec(const u8* const (&wr)[R], GemvRows<MT>& in, u32 k, u32 lane,
                          float (&acc)[R][MT], bool& waited) {
     const u32 packs = k / W::V;
     u32 c = lane;
@@ -201,42 +268,42 @@ TP_DEV void gemv_dot_vec(const u8* const (&wr)[R], const float* const (&xr)[MT],
         gemv_wait_once(waited);
 #pragma unroll
         for (int u = 0; u < U; ++u)
-            gemv_pack<W, R, MT, SILU>(wv[u], xr, k, (u64)(c + u * TP_WAVE) * W::V, acc);
+            gemv_pack<W, R, MT, ACT>(wv[u], in, k, (u64)(c + u * TP_WAVE) * W::V, acc);
     }
     gemv_wait_once(waited);
     for (; c < packs; c += TP_WAVE) {
         V16 wv[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) wv[r] = gemv_ld_w(wr[r] + (u64)c * 16);
-        gemv_pack<W, R, MT, SILU>(wv, xr, k, (u64)c * W::V, acc);
+        gemv_pack<W, R, MT, ACT>(wv, in, k, (u64)c * W::V, acc);
     }
 }
 
 // The scalar path: element j = lane, lane + TP_WAVE, ... of every row, any alignment.
-template <class W, int R, int MT, bool SILU>
-TP_DEV void gemv_dot_scalar(const u8* const (&wr)[R], const float* const (&xr)[MT], u32 k,
-                            u32 lane, float (&acc)[R][MT]) {
+template <class W, int R, int MT, int ACT>
+TP_DEV void gemv_dot_scalar(const u8* const (&wr)[R], GemvRows<MT>& in, u32 k, u32 lane,
+                            float (&acc)[R][MT]) {
     for (u32 j = lane; j < k; j += TP_WAVE) {
         float wf[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) wf[r] = W::get(wr[r], j);
 #pragma unroll
         for (int t = 0; t < MT; ++t) {
-            const float a = SILU ? gemv_silu_mul(xr[t][j], xr[t][k + j]) : xr[t][j];
+            const float a = gemv_act1<ACT, MT>(in, t, k, j);
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[r][t] = fmaf(a, wf[r], acc[r][t]);
         }
     }
 }
 
-template <class W, int R, int MT, int U, bool SILU>
+template <class W, int R, int MT, int U, int ACT>
 TP_DEV void gemv(const GemvParams& p) {
     static_assert(R * MT <= TP_WAVE, "one writing lane per (row, token)");
     const u32 lane = threadIdx.x % TP_WAVE;
     const u32 waves = blockDim.x / TP_WAVE;
     const u32 groups = (p.n + R - 1) / R;
     const u32 tiles = (p.m + MT - 1) / MT;
-    const u64 xk = SILU ? 2ull * p.k : (u64)p.k;
+    const u64 xk = ACT == TP_ACT_SILU ? 2ull * p.k : (u64)p.k;
     const float* x = (const float*)p.x;
     const u8* w = (const u8*)p.w;
     float* y = (float*)p.y;
@@ -246,9 +313,14 @@ TP_DEV void gemv(const GemvParams& p) {
     for (u32 tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
         const u32 t0 = tile * MT;
         // Tokens past m repeat the last one: computed like the others, never written.
-        const float* xr[MT];
+        GemvRows<MT> in;
+        in.nw = (const float*)p.norm_w;
 #pragma unroll
-        for (int t = 0; t < MT; ++t) xr[t] = x + (u64)gemv_min(t0 + t, p.m - 1) * xk;
+        for (int t = 0; t < MT; ++t) {
+            const u64 row = gemv_min(t0 + t, p.m - 1);
+            in.x[t] = x + row * xk;
+            in.d[t] = (const float*)p.delta + row * p.k;
+        }
         // g is the same in every lane of a wave, so whole waves take the loops and shuffles.
         for (u32 g = blockIdx.x * waves + threadIdx.x / TP_WAVE; g < groups;
              g += gridDim.x * waves) {
@@ -263,17 +335,31 @@ TP_DEV void gemv(const GemvParams& p) {
 #pragma unroll
                 for (int t = 0; t < MT; ++t) acc[r][t] = 0.0f;
             }
+            // AddNorm: the first row group's wave stores x + delta of the tile's real tokens.
+#pragma unroll
+            for (int t = 0; t < MT; ++t) {
+                in.ss[t] = 0.0f;
+                in.out[t] = ACT == TP_ACT_NORM && p.x_out && g == 0 && t0 + t < p.m
+                                ? (float*)p.x_out + (u64)(t0 + t) * p.k
+                                : nullptr;
+            }
             if (p.vec) {
-                gemv_dot_vec<W, R, MT, U, SILU>(wr, xr, p.k, lane, acc, waited);
+                gemv_dot_vec<W, R, MT, U, ACT>(wr, in, p.k, lane, acc, waited);
             } else {
                 gemv_wait_once(waited);
-                gemv_dot_scalar<W, R, MT, SILU>(wr, xr, p.k, lane, acc);
+                gemv_dot_scalar<W, R, MT, ACT>(wr, in, p.k, lane, acc);
             }
+            // AddNorm: every lane's share of every element seen, the row's 1/rms.
+            float rs[MT];
+#pragma unroll
+            for (int t = 0; t < MT; ++t)
+                rs[t] = ACT == TP_ACT_NORM ? rsqrtf(tp_wave_sum(in.ss[t]) / (float)p.k + p.eps)
+                                           : 1.0f;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
 #pragma unroll
                 for (int t = 0; t < MT; ++t) {
-                    float s = tp_wave_sum(acc[r][t]);
+                    float s = tp_wave_sum(acc[r][t]) * rs[t];
                     const u32 row = g * R + r, tok = t0 + t;
                     if (lane == (u32)(r * MT + t) && row < p.n && tok < p.m) {
                         if (bias) s += bias[row];
@@ -287,16 +373,19 @@ TP_DEV void gemv(const GemvParams& p) {
 
 // Kernel names: gemv_* (m = 1) and gemm_* (m > 1), plain and _silu, per weight dtype; the
 // order of kernels/src/cuda/ops_gemv.rs NAMES.
-#define TP_GEMV_KERNEL(name, W, R, MT, U, SILU)                                         \
+#define TP_GEMV_KERNEL(name, W, R, MT, U, ACT)                                          \
     extern "C" __global__ void TP_LAUNCH_BOUNDS(256, 1) name(const GemvParams p) {      \
-        gemv<W, R, MT, U, SILU>(p); /* waits for the kernel before once its loads are out */ \
+        gemv<W, R, MT, U, ACT>(p); /* waits for the kernel before once its loads are out */ \
     }
-#define TP_GEMV_DTYPE(d, W)                                                               \
-    TP_GEMV_KERNEL(gemv_##d, W, TP_GEMV_ROWS, 1, TP_GEMV_UNROLL / TP_GEMV_ROWS, false)    \
-    TP_GEMV_KERNEL(gemv_silu_##d, W, TP_GEMV_ROWS_SILU, 1,                                \
-                   TP_GEMV_UNROLL_SILU / TP_GEMV_ROWS_SILU, true)                         \
-    TP_GEMV_KERNEL(gemm_##d, W, TP_GEMV_ROWS, TP_GEMV_TOKENS, 1, false)                   \
-    TP_GEMV_KERNEL(gemm_silu_##d, W, TP_GEMV_ROWS, TP_GEMV_TOKENS, 1, true)
+#define TP_GEMV_DTYPE(d, W)                                                                  \
+    TP_GEMV_KERNEL(gemv_##d, W, TP_GEMV_ROWS, 1, TP_GEMV_UNROLL / TP_GEMV_ROWS, TP_ACT_NONE) \
+    TP_GEMV_KERNEL(gemv_silu_##d, W, TP_GEMV_ROWS_SILU, 1,                                   \
+                   TP_GEMV_UNROLL_SILU / TP_GEMV_ROWS_SILU, TP_ACT_SILU)                     \
+    TP_GEMV_KERNEL(gemv_norm_##d, W, TP_GEMV_ROWS_NORM, 1,                                   \
+                   TP_GEMV_UNROLL / TP_GEMV_ROWS_NORM, TP_ACT_NORM)                          \
+    TP_GEMV_KERNEL(gemm_##d, W, TP_GEMV_ROWS, TP_GEMV_TOKENS, 1, TP_ACT_NONE)                \
+    TP_GEMV_KERNEL(gemm_silu_##d, W, TP_GEMV_ROWS, TP_GEMV_TOKENS, 1, TP_ACT_SILU)           \
+    TP_GEMV_KERNEL(gemm_norm_##d, W, TP_GEMV_ROWS, TP_GEMV_TOKENS, 1, TP_ACT_NORM)
 
 TP_GEMV_DTYPE(f32, F32)
 TP_GEMV_DTYPE(f16, GemvF16)

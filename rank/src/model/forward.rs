@@ -96,7 +96,7 @@ struct Sizes {
     /// f32 elements of one DeltaNet layer's conv state and recurrent state (0, 0 if none).
     delta: (usize, usize),
     /// f32 elements of each scratch buffer, in [`Scratch`]'s field order.
-    scratch: [usize; 13],
+    scratch: [usize; 14],
 }
 
 impl Sizes {
@@ -145,6 +145,7 @@ impl Sizes {
             ops::Attention::<()>::workspace_len(1, nqh, d, max_seq),
             cfg.rotary_dim() / 2,
             cfg.vocab,
+            chunk * h,
             (chunk * channels).max(1),
         ];
         Ok(Sizes {
@@ -233,6 +234,9 @@ struct Scratch<B> {
     /// Full-vocab logits [vocab] for [`Model::prefill`] / [`Model::step`] (tests and logit
     /// dumps; the decode loop never gathers them).
     full_logits: B,
+    /// The other residual buffer [C, h]: at world 1 the residual stream alternates between
+    /// `x` and `x2` (see `forward`).
+    x2: B,
     /// A DeltaNet layer's conv output (q|k|v after SiLU) [C, channels].
     conv: B,
 }
@@ -486,6 +490,7 @@ impl<D: Device> Model<D> {
             attn_ws: next()?,
             inv_freq: next()?,
             full_logits: next()?,
+            x2: next()?,
             conv: next()?,
         };
         dev.write(
@@ -946,26 +951,106 @@ impl<D: Device> Model<D> {
             dim: h,
             eps,
         }))?;
-        // x = x + allreduce(partial); xb = norm(x) · next_norm: the seam after each
-        // row-parallel projection.
-        let residual =
-            |comm: &mut dyn Collectives<D>, next_norm: View<'_, D::Buf>| -> Result<(), RankError> {
-                let e = AddNorm {
-                    x,
-                    w: next_norm,
-                    out: xb,
-                    rows: m,
-                    dim: h,
-                    eps,
-                };
-                if world > 1 {
-                    comm.allreduce_add_norm(o, e)
-                } else {
-                    Ok(dev.run(&Op::AddRmsNorm(e.op(o)))?)
-                }
+        // The seam after each row-parallel projection: x = x + allreduce(o); xb = norm(x) ·
+        // next_norm, one fused kernel. With no allreduce (world 1) the add + norm is left
+        // pending instead and folded into the projection that reads xb
+        // (ops::AddNormMatmul), which writes the new residual into the other of two buffers
+        // (every block of it reads all of the old one): one kernel and its launch tail less
+        // per seam.
+        let fold = world == 1;
+        let xs = [x, f32v(&s.x2, m * h)];
+        let mut cur = 0; // xs[cur] holds the residual stream
+        let seam = |comm: &mut dyn Collectives<D>, next_norm| {
+            if fold {
+                return Ok::<_, RankError>(Some(next_norm));
+            }
+            let e = AddNorm {
+                x,
+                w: next_norm,
+                out: xb,
+                rows: m,
+                dim: h,
+                eps,
             };
+            comm.allreduce_add_norm(o, e)?;
+            Ok(None)
+        };
+        // y = xb · wᵀ (+ bias), with a pending seam folded in.
+        let project = |pending: Option<View<'_, D::Buf>>,
+                       cur: &mut usize,
+                       wt: View<'_, D::Buf>,
+                       bias: Option<View<'_, D::Buf>>,
+                       y: View<'_, D::Buf>,
+                       n: usize|
+         -> Result<(), RankError> {
+            match pending {
+                None => dev.run(&Op::Matmul(ops::Matmul {
+                    x: xb,
+                    w: wt,
+                    bias,
+                    y,
+                    m,
+                    k: h,
+                    n,
+                    prologue: Prologue::None,
+                }))?,
+                Some(norm_w) => {
+                    dev.run(&Op::AddNormMatmul(ops::AddNormMatmul {
+                        x: xs[*cur],
+                        delta: o,
+                        norm_w,
+                        x_out: Some(xs[1 - *cur]),
+                        eps,
+                        w: wt,
+                        bias,
+                        y,
+                        m,
+                        k: h,
+                        n,
+                    }))?;
+                    *cur = 1 - *cur;
+                }
+            }
+            Ok(())
+        };
+        let mut pending = None;
         let nl = w.layers.len();
         for (l, (lw, cache)) in w.layers.iter().zip(&self.caches).enumerate() {
+            // The mixer's input projection, fused at load from `blocks` (attention: q|k|v,
+            // and Qwen3.5's gate; DeltaNet: in_proj qkv|z|b|a) into s.qkv: one product,
+            // into which a pending seam folds, where it is one (a single block, or a single
+            // row); else the seam is settled first, since each block's product reads xb.
+            let (wt, bias) = match &lw.mixer {
+                Mixer::Attention(aw) => (&aw.wqkv, aw.bqkv.as_ref()),
+                Mixer::Delta(dw) => (&dw.w_in, None),
+            };
+            let blocks = self.in_blocks(&lw.mixer);
+            let n: usize = blocks.iter().sum();
+            if m == 1 || blocks.len() == 1 {
+                let y = f32v(&s.qkv, m * n);
+                project(
+                    pending.take(),
+                    &mut cur,
+                    wt.view(),
+                    bias.map(|b| b.view()),
+                    y,
+                    n,
+                )?;
+            } else {
+                if let Some(norm_w) = pending.take() {
+                    // x = x + o; xb = norm(x) · norm_w   (the seam, not folded)
+                    dev.run(&Op::AddRmsNorm(ops::AddRmsNorm {
+                        x: xs[cur],
+                        delta: o,
+                        w: norm_w,
+                        out: xb,
+                        rows: m,
+                        dim: h,
+                        eps,
+                    }))?;
+                }
+                self.fused_matmul(xb, wt, h, &blocks, &s.qkv, m)?;
+            }
             // o = this rank's partial of the mixer's output projection
             match (&lw.mixer, cache) {
                 (Mixer::Attention(aw), LayerCache::Kv(kv)) => {
@@ -975,18 +1060,16 @@ impl<D: Device> Model<D> {
                 _ => unreachable!("each layer's cache is allocated for its mixer"),
             }
             // x = x + allreduce(o); xb = post_attention_layernorm(x)
-            residual(comm, lw.ffn_norm.view())?;
+            pending = seam(comm, lw.ffn_norm.view())?;
             // hb = [gate_proj | up_proj](xb)
-            dev.run(&Op::Matmul(ops::Matmul {
-                x: xb,
-                w: lw.w_gate_up.view(),
-                bias: None,
-                y: f32v(&s.hb, m * 2 * ni),
-                m,
-                k: h,
-                n: 2 * ni,
-                prologue: Prologue::None,
-            }))?;
+            project(
+                pending.take(),
+                &mut cur,
+                lw.w_gate_up.view(),
+                None,
+                f32v(&s.hb, m * 2 * ni),
+                2 * ni,
+            )?;
             // x = x + allreduce(down_proj(silu(gate) · up)); xb = the next layer's
             // input_layernorm(x), or the final norm after the last layer.
             dev.run(&Op::Matmul(ops::Matmul {
@@ -1004,32 +1087,66 @@ impl<D: Device> Model<D> {
             } else {
                 w.norm.view()
             };
-            residual(comm, next)?;
+            pending = seam(comm, next)?;
         }
         if !logits {
             return Ok(());
         }
         // logits[vocab shard] = lm_head(norm(x))[last position]
-        let head = w.head();
-        dev.run(&Op::Matmul(ops::Matmul {
-            x: View::new(&s.xb, (m - 1) * h * 4, h, DType::F32),
-            w: head.view(),
-            bias: None,
-            y: f32v(&s.logits, plan.vocab.len()),
-            m: 1,
-            k: h,
-            n: plan.vocab.len(),
-            prologue: Prologue::None,
-        }))?;
+        let (head, y) = (w.head().view(), f32v(&s.logits, plan.vocab.len()));
+        let op = match pending {
+            None => Op::Matmul(ops::Matmul {
+                x: xb.slice((m - 1) * h, h),
+                w: head,
+                bias: None,
+                y,
+                m: 1,
+                k: h,
+                n: plan.vocab.len(),
+                prologue: Prologue::None,
+            }),
+            Some(norm_w) => Op::AddNormMatmul(ops::AddNormMatmul {
+                x: xs[cur].slice((m - 1) * h, h),
+                delta: o.slice((m - 1) * h, h),
+                norm_w,
+                x_out: None,
+                eps,
+                w: head,
+                bias: None,
+                y,
+                m: 1,
+                k: h,
+                n: plan.vocab.len(),
+            }),
+        };
+        dev.run(&op)?;
         Ok(())
     }
 
-    /// `y = x · wᵀ` for a weight fused at load from row blocks of widths `ns` (n = Σ ns),
-    /// laid out so that block p of the output is its own [m, ns[p]] matrix at element
-    /// m·(ns[0] + … + ns[p−1]) of `y`. For one row that is the fused product's row itself (the
-    /// blocks side by side), so decode runs one matrix–vector product; for more rows, one
-    /// product per block over that block's rows of the weight, so that each block comes out
-    /// contiguous for the op that reads it.
+    /// The widths of the blocks a mixer's input projection was fused from at load, in order:
+    /// attention [q|k|v] (and Qwen3.5's gate, nq), DeltaNet [qkv (its conv channels) | z | b |
+    /// a].
+    fn in_blocks(&self, mixer: &Mixer<D::Buf>) -> Vec<usize> {
+        let (cfg, plan) = (&self.cfg, &self.plan);
+        let d = cfg.head_dim;
+        let (nq, nkv) = (plan.q_heads.len() * d, plan.kv_heads.len() * d);
+        match (mixer, &cfg.hybrid) {
+            (Mixer::Attention(_), Some(hy)) if hy.attn_gate => vec![nq + 2 * nkv, nq],
+            (Mixer::Attention(_), _) => vec![nq + 2 * nkv],
+            (Mixer::Delta(_), hy) => {
+                let hy = hy.as_ref().expect("a DeltaNet layer is a hybrid's");
+                let (nk, nv) = (plan.lin_k_heads.len(), plan.lin_v_heads.len());
+                let vd = nv * hy.dv;
+                vec![2 * nk * hy.dk + vd, vd, nv, nv]
+            }
+        }
+    }
+
+    /// `y = x · wᵀ` for `m` rows and a weight fused at load from row blocks of widths `ns`,
+    /// one product per block over that block's rows of the weight, so that block p of the
+    /// output is its own [m, ns[p]] matrix at element m·(ns[0] + … + ns[p−1]) of `y`,
+    /// contiguous for the op that reads it. (For one row that is the fused product's row
+    /// itself, which `forward` then runs as one product.)
     fn fused_matmul(
         &self,
         x: View<'_, D::Buf>,
@@ -1039,18 +1156,14 @@ impl<D: Device> Model<D> {
         y: &D::Buf,
         m: usize,
     ) -> Result<(), RankError> {
-        let n: usize = ns.iter().sum();
-        let blocks: Vec<(usize, usize)> = if m == 1 {
-            vec![(0, n)]
-        } else {
-            let mut off = 0;
-            ns.iter()
-                .map(|&b| {
-                    off += b;
-                    (off - b, b)
-                })
-                .collect()
-        };
+        let mut off = 0;
+        let blocks: Vec<(usize, usize)> = ns
+            .iter()
+            .map(|&b| {
+                off += b;
+                (off - b, b)
+            })
+            .collect();
         for (off, b) in blocks {
             self.dev.run(&Op::Matmul(ops::Matmul {
                 x,
@@ -1080,25 +1193,9 @@ impl<D: Device> Model<D> {
         let (h, d, rd) = (cfg.hidden, cfg.head_dim, cfg.rotary_dim());
         let (nqh, nkvh) = (plan.q_heads.len(), plan.kv_heads.len());
         let (nq, nkv) = (nqh * d, nkvh * d);
-        let xb = f32v(&s.xb, m * h);
+        // s.qkv holds [q | k | v] (then the gate block): `forward` ran the projection.
         let wqkv = nq + 2 * nkv;
         let gated = cfg.hybrid.as_ref().is_some_and(|hy| hy.attn_gate);
-        if gated {
-            // [q | k | v] then gate = q_proj's gate half (Qwen3.5), as two blocks.
-            self.fused_matmul(xb, &aw.wqkv, h, &[wqkv, nq], &s.qkv, m)?;
-        } else {
-            // qkv = [q_proj | k_proj | v_proj](xb)   (this rank's heads, one product)
-            dev.run(&Op::Matmul(ops::Matmul {
-                x: xb,
-                w: aw.wqkv.view(),
-                bias: aw.bqkv.as_ref().map(|b| b.view()),
-                y: f32v(&s.qkv, m * wqkv),
-                m,
-                k: h,
-                n: wqkv,
-                prologue: Prologue::None,
-            }))?;
-        }
         // q = rope(q_norm(q)); cache[pos] = rope(k_norm(k)), v   (norms: Qwen3, Qwen3.5;
         // Qwen3.5 rotates only the first rotary_dim dims of each head)
         let cache = |b| View::new(b, 0, cap * nkv, kvt);
@@ -1175,9 +1272,8 @@ impl<D: Device> Model<D> {
         let (nk, nv) = (plan.lin_k_heads.len(), plan.lin_v_heads.len());
         let c = 2 * nk * hy.dk + nv * hy.dv;
         let vd = nv * hy.dv;
-        // [qkv | z | b | a] = [in_proj_qkv | in_proj_z | in_proj_b | in_proj_a](xb)
-        let widths = [c, vd, nv, nv];
-        self.fused_matmul(f32v(&s.xb, m * h), &dw.w_in, h, &widths, &s.qkv, m)?;
+        // s.qkv holds [qkv | z | b | a] = [in_proj_qkv | in_proj_z | in_proj_b |
+        // in_proj_a](xb), as blocks: `forward` ran the projection.
         let block = |at: usize, n: usize| View::new(&s.qkv, m * at * 4, m * n, DType::F32);
         let (z, b, a) = (block(c, vd), block(c + vd, nv), block(c + vd + nv, nv));
         // qkv = silu(conv1d([past inputs, qkv]))   (depthwise, causal)

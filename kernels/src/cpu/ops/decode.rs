@@ -165,6 +165,33 @@ pub(crate) fn matmul(dev: &CpuDevice, a: &ops::Matmul<'_, CpuBuf>) -> Result<()>
     }
 }
 
+/// AddRmsNorm on a copy of `x` (`x` itself is an input here), then the plain product.
+pub(crate) fn add_norm_matmul(dev: &CpuDevice, a: &ops::AddNormMatmul<'_, CpuBuf>) -> Result<()> {
+    let mk = a.m * a.k;
+    let (sum, normed) = (dev.alloc(mk * 4)?, dev.alloc(mk * 4)?);
+    let (sum, normed) = (
+        View::new(&sum, 0, mk, DType::F32),
+        View::new(&normed, 0, mk, DType::F32),
+    );
+    write_f32(&sum, &read_f32(&a.x)?)?;
+    add_rms_norm(
+        dev,
+        &ops::AddRmsNorm {
+            x: sum,
+            delta: a.delta,
+            w: a.norm_w,
+            out: normed,
+            rows: a.m,
+            dim: a.k,
+            eps: a.eps,
+        },
+    )?;
+    if let Some(out) = &a.x_out {
+        write_f32(out, &read_f32(&sum)?)?;
+    }
+    matmul_plain(dev, &normed, &a.w, a.bias.as_ref(), &a.y, a.m, a.k, a.n)
+}
+
 /// (logit, id) ordered best first: larger logit, then lower id.
 fn better(a: (f32, u32), b: (f32, u32)) -> bool {
     a.0 > b.0 || (a.0 == b.0 && a.1 < b.1)
@@ -306,6 +333,61 @@ mod tests {
             .unwrap();
         }
         cands
+    }
+
+    /// AddNormMatmul against an f64 reference on random data with poisoned outputs: y, and
+    /// x_out = x + delta.
+    #[test]
+    fn add_norm_matmul_matches_f64() {
+        let dev = CpuDevice::new(0, 2, 0);
+        let mut rng = Rng::new(0x616e_6d6d);
+        let (m, k, n, eps) = (3usize, 67usize, 29usize, 1e-5f32);
+        let mut draw = |len: usize| rng.vec_sym(len);
+        let (x, d, g) = (draw(m * k), draw(m * k), draw(k));
+        let w = rounded(DType::BF16, &draw(n * k));
+        let bias = draw(n);
+        let f32v = |b, len| View::new(b, 0, len, DType::F32);
+        let (xb, db, gb) = (
+            upload(&dev, DType::F32, &x),
+            upload(&dev, DType::F32, &d),
+            upload(&dev, DType::F32, &g),
+        );
+        let (wb, bb) = (
+            upload(&dev, DType::BF16, &w),
+            upload(&dev, DType::F32, &bias),
+        );
+        let yb = upload(&dev, DType::F32, &vec![f32::NAN; m * n]);
+        let ob = upload(&dev, DType::F32, &vec![f32::NAN; m * k]);
+        dev.run(&Op::AddNormMatmul(ops::AddNormMatmul {
+            x: f32v(&xb, m * k),
+            delta: f32v(&db, m * k),
+            norm_w: f32v(&gb, k),
+            x_out: Some(f32v(&ob, m * k)),
+            eps,
+            w: View::new(&wb, 0, n * k, DType::BF16),
+            bias: Some(f32v(&bb, n)),
+            y: f32v(&yb, m * n),
+            m,
+            k,
+            n,
+        }))
+        .unwrap();
+        let (mut want_y, mut want_s) = (Vec::new(), Vec::new());
+        for r in 0..m {
+            let s: Vec<f64> = (0..k)
+                .map(|i| x[r * k + i] as f64 + d[r * k + i] as f64)
+                .collect();
+            let rs = 1.0 / (s.iter().map(|v| v * v).sum::<f64>() / k as f64 + eps as f64).sqrt();
+            for o in 0..n {
+                let dot: f64 = (0..k)
+                    .map(|i| s[i] * rs * g[i] as f64 * w[o * k + i] as f64)
+                    .sum();
+                want_y.push(dot + bias[o] as f64);
+            }
+            want_s.extend(s);
+        }
+        assert!(max_err(&download(&dev, &yb, DType::F32, m * n), &want_y) < 1e-5);
+        assert!(max_err(&download(&dev, &ob, DType::F32, m * k), &want_s) < 1e-6);
     }
 
     #[test]
