@@ -90,8 +90,13 @@ impl ModelInput {
         match &self.source {
             ModelSource::Synthetic(o) => Ok(o.dtype),
             ModelSource::Dir(dir) => {
+                // Under model.language_model. in Qwen3.5's multimodal checkpoints.
+                let embed = format!(
+                    "{}embed_tokens.weight",
+                    tprun_rank::model::weights::text_prefix(&self.cfg)
+                );
                 tprun_rank::model::safetensors::Checkpoint::open(Path::new(dir))
-                    .and_then(|c| c.dtype_of("model.embed_tokens.weight"))
+                    .and_then(|c| c.dtype_of(&embed))
                     .map_err(bad)
             }
         }
