@@ -660,4 +660,73 @@ mod tests {
             .sum();
         assert_eq!(params, 32_762_123_264); // Qwen3-32B's parameter count
     }
+
+    /// `--arch qwen3_5 --preset 27b`: Qwen/Qwen3.5-27B's text shapes in its official layout.
+    #[test]
+    fn qwen35_27b_has_the_official_shapes_and_names() {
+        use crate::model::LayerKind;
+        let c = config_for(&SynthOptions {
+            arch: Arch::Qwen3_5,
+            preset: Preset::Qwen3_5_27b,
+            dtype: DType::BF16,
+            seed: 0,
+            tie_embeddings: None,
+        });
+        let h = c.hybrid.clone().unwrap();
+        assert_eq!(
+            (
+                c.hidden,
+                c.intermediate,
+                c.layers,
+                c.heads,
+                c.kv_heads,
+                c.head_dim,
+                c.vocab
+            ),
+            (5120, 17408, 64, 24, 4, 256, 248320)
+        );
+        assert_eq!(
+            (h.k_heads, h.v_heads, h.dk, h.dv, h.conv_kernel),
+            (16, 48, 128, 128, 4)
+        );
+        assert_eq!((h.rotary_dim, c.rope_theta), (64, 1e7));
+        assert!(h.attn_gate && h.multimodal && c.qk_norm && !c.tie_embeddings);
+        let attn: Vec<usize> = (0..64)
+            .filter(|&i| h.kinds[i] == LayerKind::Attention)
+            .collect();
+        assert_eq!(attn, (3..64).step_by(4).collect::<Vec<_>>());
+        let list = tensor_list(&c, DType::BF16);
+        let shape = |n: &str| {
+            list.iter()
+                .find(|t| t.0 == n)
+                .unwrap_or_else(|| panic!("{n}"))
+                .2
+                .clone()
+        };
+        let l = "model.language_model.layers.";
+        assert_eq!(
+            shape(&format!("{l}63.self_attn.q_proj.weight")),
+            [12288, 5120]
+        );
+        assert_eq!(
+            shape(&format!("{l}62.linear_attn.in_proj_qkv.weight")),
+            [10240, 5120]
+        );
+        assert_eq!(
+            shape(&format!("{l}62.linear_attn.conv1d.weight")),
+            [10240, 1, 4]
+        );
+        assert_eq!(
+            shape(&format!("{l}0.linear_attn.in_proj_z.weight")),
+            [6144, 5120]
+        );
+        assert_eq!(
+            shape(&format!("{l}0.linear_attn.out_proj.weight")),
+            [5120, 6144]
+        );
+        assert_eq!(shape("lm_head.weight"), [248320, 5120]);
+        // What synth writes parses back to this config.
+        let back = ModelConfig::parse(Path::new("config.json"), c.to_json().as_object().unwrap());
+        assert_eq!(back.unwrap(), c);
+    }
 }
