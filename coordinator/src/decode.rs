@@ -250,7 +250,7 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
             settings.world,
             settings.backend.name(),
             name,
-            cfg.arch.hf_name(),
+            cfg.hf_name(),
             cfg.layers,
             cfg.hidden,
             cfg.heads,
@@ -509,7 +509,7 @@ pub fn synth_cmd(args: &SynthArgs) -> Result<i32, JobError> {
     eprintln!(
         "wrote {} ({}, preset {}, {} layers, hidden {}, vocab {}, {})",
         Path::new(&args.out).display(),
-        cfg.arch.hf_name(),
+        cfg.hf_name(),
         preset.name(),
         cfg.layers,
         cfg.hidden,

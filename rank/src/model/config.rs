@@ -561,6 +561,15 @@ impl ModelConfig {
         })
     }
 
+    /// The checkpoint's `architectures[0]`: [`Arch::hf_name`], but Qwen3.5's multimodal class
+    /// where the weights are laid out as its.
+    pub fn hf_name(&self) -> &'static str {
+        match &self.hybrid {
+            Some(h) if h.multimodal => "Qwen3_5ForConditionalGeneration",
+            _ => self.arch.hf_name(),
+        }
+    }
+
     /// Each layer's mixer: all attention unless the model is a hybrid.
     pub fn kind(&self, layer: usize) -> LayerKind {
         match &self.hybrid {
@@ -859,7 +868,7 @@ fn hybrid_json(c: &ModelConfig, h: &Hybrid, mut v: Value) -> Value {
         return v;
     }
     json!({
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "architectures": [c.hf_name()],
         "model_type": "qwen3_5",
         "tie_word_embeddings": c.tie_embeddings,
         "torch_dtype": v.get("torch_dtype").cloned().unwrap_or(Value::Null),
