@@ -706,59 +706,76 @@ mod tests {
         assert!(d.iter().any(|c| c.wide_a) && d.iter().any(|c| c.rows == 1));
     }
 
-    /// The buffers of `spec` on the GPU, outputs filled with `fill` bytes.
-    fn on_gpu(gpu: &CudaDevice, spec: &[Buf], fill: u8) -> Vec<CudaBuf> {
+    /// The buffers of `spec` on `dev`, outputs filled with `fill` bytes.
+    fn upload<D: Device>(dev: &D, spec: &[Buf], fill: u8) -> Vec<D::Buf> {
         spec.iter()
             .map(|s| {
                 let bytes = s.len * s.dtype.size();
-                let b = gpu.alloc(bytes.max(1)).unwrap();
+                let b = dev.alloc(bytes.max(1)).unwrap();
                 let init = s.init.clone().unwrap_or_else(|| vec![fill; bytes]);
-                gpu.write(&b, 0, &init).unwrap();
+                dev.write(&b, 0, &init).unwrap();
                 b
             })
             .collect()
     }
 
-    /// The launchers refuse outputs that partly overlap their inputs, as the kernels would
-    /// read them after writing. (Checked on the GPU's launch path only, so on a GPU.)
-    fn overlapping_outputs_are_refused(gpu: &CudaDevice) {
-        let buf = gpu.alloc(4096).unwrap();
-        let v = |at: usize, n: usize| View::new(&buf, at * 4, n, DType::F32);
-        let conv = |out| {
+    /// Ops over one buffer of 1024 f32 whose output either overlaps an input (`bad`) or not:
+    /// a conv whose out starts inside x, a gated norm whose out starts inside x (against
+    /// exactly x, which is allowed).
+    fn overlap_ops<B>(buf: &B, bad: bool) -> [Op<'_, B>; 2] {
+        let v = |at: usize, n: usize| View::new(buf, at * 4, n, DType::F32);
+        [
             Op::CausalConv(ops::CausalConv {
                 x: v(0, 8),
-                w: v(100, 8),
-                state: v(200, 6),
-                out,
+                w: v(100, 16),
+                state: v(200, 12),
+                out: if bad { v(4, 8) } else { v(300, 8) },
                 rows: 2,
                 channels: 4,
                 kernel: 4,
-            })
-        };
-        let e = gpu.run(&conv(v(4, 8))).unwrap_err().to_string();
-        assert!(e.contains("overlaps"), "{e}");
-        gpu.run(&conv(v(300, 8))).unwrap();
-        let norm = |out| {
+            }),
             Op::GatedRmsNorm(ops::GatedRmsNorm {
                 x: v(0, 8),
                 z: v(100, 8),
                 w: v(200, 4),
-                out,
+                out: if bad { v(2, 8) } else { v(0, 8) },
                 rows: 2,
                 dim: 4,
                 eps: 1e-6,
-            })
-        };
-        gpu.run(&norm(v(0, 8))).unwrap();
-        let e = gpu.run(&norm(v(2, 8))).unwrap_err().to_string();
-        assert!(e.contains("overlaps"), "{e}");
+            }),
+        ]
+    }
+
+    /// The launchers refuse outputs that partly overlap their inputs, as the kernels would
+    /// read them after writing (the CPU twin, reading everything first, does not care).
+    fn overlapping_outputs_are_refused(gpu: &CudaDevice) {
+        let buf = gpu.alloc(4096).unwrap();
+        for op in overlap_ops(&buf, true) {
+            let e = gpu.run(&op).unwrap_err().to_string();
+            assert!(e.contains("overlaps"), "{e}");
+        }
+        for op in overlap_ops(&buf, false) {
+            gpu.run(&op).unwrap();
+        }
         gpu.sync().unwrap();
     }
 
+    /// The overlap cases are valid ops otherwise: the CPU runs all of them.
+    #[test]
+    fn overlap_cases_are_valid_ops() {
+        let cpu = CpuDevice::new(0, 1, 0);
+        let buf = cpu.alloc(4096).unwrap();
+        for bad in [false, true] {
+            for op in overlap_ops(&buf, bad) {
+                cpu.run(&op).unwrap();
+            }
+        }
+    }
+
     /// A prompt run as one call leaves the same state and outputs, bit for bit, as its rows
-    /// run one call each (the kernel's arithmetic per row does not depend on where the state
-    /// sat between rows: registers or memory).
-    fn prefill_equals_token_by_token(gpu: &CudaDevice) {
+    /// run one call each: on the GPU because the kernel's arithmetic per row does not depend
+    /// on where the state sat between rows (registers or memory).
+    fn prefill_equals_token_by_token<D: Device>(dev: &D) {
         let case = DeltaCase {
             rows: 6,
             k_heads: 4,
@@ -768,13 +785,13 @@ mod tests {
             wide_a: false,
             seed: 17,
         };
-        let whole = twin::run_alone(gpu, &case).unwrap();
+        let whole = twin::run_alone(dev, &case).unwrap();
         let spec = case.bufs();
-        let bufs = on_gpu(gpu, &spec, 0xff);
+        let bufs = upload(dev, &spec, 0xff);
         let (vh, width) = (case.v_heads, case.width());
         let f = |i: usize, at: usize, n: usize| View::new(&bufs[i], at * 4, n, DType::F32);
         for r in 0..case.rows {
-            gpu.run(&Op::GatedDelta(ops::GatedDelta {
+            dev.run(&Op::GatedDelta(ops::GatedDelta {
                 qkv: f(0, r * width, width),
                 b: f(1, r * vh, vh),
                 a: f(2, r * vh, vh),
@@ -792,9 +809,14 @@ mod tests {
         }
         for i in [5usize, 6] {
             let mut got = vec![0u8; spec[i].len * 4];
-            gpu.read(&bufs[i], 0, &mut got).unwrap();
+            dev.read(&bufs[i], 0, &mut got).unwrap();
             assert!(got == whole[i], "buffer {i} differs");
         }
+    }
+
+    #[test]
+    fn prefill_equals_token_by_token_on_the_cpu() {
+        prefill_equals_token_by_token(&CpuDevice::new(0, 2, 0));
     }
 
     /// Every twin case on a GPU, when there is one (`TPRUN_REQUIRE_GPU=1` makes its absence a
@@ -823,7 +845,7 @@ mod tests {
         };
         fn time<C: TwinCase>(gpu: &CudaDevice, case: &C, bytes: usize) {
             let spec = case.bufs();
-            let bufs = on_gpu(gpu, &spec, 0);
+            let bufs = upload(gpu, &spec, 0);
             let v: Vec<View<'_, CudaBuf>> = bufs
                 .iter()
                 .zip(&spec)
