@@ -836,7 +836,8 @@ mod tests {
     /// Timings for the report (run with --ignored on a GPU machine): the three ops at decode
     /// (one token) for Qwen3.5-27B's shapes at TP = 4 and TP = 1, and a 64-token prefill at
     /// TP = 4; device time from graph replays. gated_delta's bandwidth counts the state read
-    /// and written (the bytes that matter), the others' every byte moved.
+    /// and written (the bytes that matter), beside a device copy of the same bytes; the
+    /// others' every byte moved.
     #[test]
     #[ignore]
     fn delta_timings() {
@@ -872,6 +873,21 @@ mod tests {
                 seed: 3,
             };
             time(&gpu, &delta, 2 * vh * d * d * 4);
+            // The reference: a device copy of the state's size (read + written), which pays
+            // the same fixed costs.
+            let n = vh * d * d;
+            let (src, dst) = (gpu.alloc(n * 4).unwrap(), gpu.alloc(n * 4).unwrap());
+            let copy = Op::Copy(ops::Copy {
+                src: View::new(&src, 0, n, DType::F32),
+                dst: View::new(&dst, 0, n, DType::F32),
+            });
+            let t = super::super::ops_attention::tests::graph_time(&gpu, &copy);
+            println!(
+                "TIMING copy of the state ({} KiB): {:.2} us, {:.0} GB/s",
+                n * 4 / 1024,
+                t.as_secs_f64() * 1e6,
+                (2 * n * 4) as f64 / t.as_secs_f64() / 1e9
+            );
             let conv = ConvCase {
                 rows,
                 channels,

@@ -17,10 +17,10 @@
 //   TP = 4). Everything else it touches (one qkv row, b, a: ~40 KiB) is noise. That is
 //   ~1.5 µs at the H200's measured 4.26 TB/s copy rate (kernels/src/cuda/NOTES.md), so this
 //   is the one kernel here whose bandwidth matters; its mapping is below.
-// - causal_conv reads x, w and the window and writes out and the window: ~10240 · 4 · 10 B =
-//   400 KiB at TP = 1; gated_rms_norm reads x, z, w and writes out: 48 · 128 · 16 B = 96 KiB.
-//   Both are one launch and one memory round trip (launch-bound, a few µs), as decode.cu's
-//   small ops.
+// - causal_conv moves 48 bytes per channel (x and out 4 each, 4 taps 16, the 3-float window
+//   12 read and 12 written): 480 KiB at TP = 1; gated_rms_norm reads x and z and writes out,
+//   12 bytes per element: 48 · 128 · 12 B = 72 KiB. Both are one launch and one memory round
+//   trip (launch-bound, a few µs), as decode.cu's small ops.
 //
 // Floating point: the runtime compiles with --fmad=false --ftz=false and no fast math (see
 // decode.cu), so expf, log1pf, sqrtf and divisions are the precise library versions. The conv
@@ -208,11 +208,13 @@ TP_DEV float dn_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 // thread's state loads are independent and issued back to back, so a block has its whole
 // 8 KiB tile (dk = 128) in flight at once: at v_heads = 48 (27B, TP = 1), 384 blocks of 256
 // threads, all resident at once on an H200's 132 SMs (4 blocks per SM, see the instantiations
-// below), issue the whole 3 MiB read in one wave; the write back is the same. Expected: bandwidth-bound there, near the copy rate (~70–80 % counting
-// the one memory latency before the first byte and the four barriers between load and
-// store); at v_heads = 12 (TP = 4) 96 blocks move 1.5 MiB, which is latency-bound (one round
-// trip to HBM and back, a few µs with the launch). Not yet measured: the `#[ignore]`d
-// timing test in ops_delta.rs prints it on a GPU.
+// below), issue the whole 3 MiB read in one wave; the write back is the same. So the kernel
+// costs what a 6 MiB device copy costs (3 MiB read, 3 MiB written: 1.5 µs of transfer at
+// 4.26 TB/s) plus what lies between its reads and its writes (a memory round trip, the four
+// barriers, ~1 µs): expected ~2.5–3.5 µs, 50–60 % of the large-copy rate and close to a copy
+// of the same size, which pays the same fixed costs. At v_heads = 12 (TP = 4) 96 blocks move
+// 1.5 MiB: latency-bound (one round trip to HBM and back, a few µs with the launch). Not yet
+// measured: the `#[ignore]`d timing test in ops_delta.rs prints it beside a same-size copy.
 //
 // Prefill (rows > 1) runs the recurrence row by row inside the block (four barriers a row);
 // the next row's q, k, v, b and a are loaded while the current row computes.
