@@ -181,8 +181,9 @@ fn causal_conv(l: &Launcher<'_>, a: &ops::CausalConv<'_, CudaBuf>) -> Result<()>
             why: format!("causal_conv with {} taps (at most {CONV_KMAX})", a.kernel),
         });
     }
-    // The whole output is written before the window is, row by row: nothing may share bytes
-    // with it (the twin refuses no alias, but reads every input before writing).
+    // out is written row by row while later rows of x are still to be read, and the window
+    // after the last row: neither may share bytes with an input (the twin reads every input
+    // before it writes anything, so only the GPU needs this).
     for (v, what) in [(&a.x, "x"), (&a.w, "w"), (&a.state, "state")] {
         check_alias(OP, &a.out, v, &format!("out (against {what})"), false)?;
     }
