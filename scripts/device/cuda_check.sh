@@ -65,6 +65,8 @@ step ipc timeout 60 "$bin"/kernels-ipc --test-threads=1 --nocapture
 grep -h "cross-process calls" "$OUT/ipc.log"
 step timings timeout 120 "$bin"/kernels-lib --exact cuda::selftest::tests::allreduce_timings --ignored --nocapture
 grep TIMING "$OUT/timings.log"
+step delta timeout 60 "$bin"/kernels-lib --exact cuda::ops_delta::tests::delta_timings --ignored --nocapture
+grep TIMING "$OUT/delta.log"
 grep -E "^test .*(ok|FAILED|ignored)$" "$OUT/unit.log" "$OUT/ipc.log" | sed 's/^.*\/\(.*\)\.log:/\1: /'
 echo "overall status $status"
 exit $status

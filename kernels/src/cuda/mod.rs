@@ -18,6 +18,7 @@ pub mod launch;
 pub mod mem;
 mod ops_attention;
 mod ops_decode;
+mod ops_delta;
 mod ops_gemv;
 mod ops_sample;
 pub mod probe;

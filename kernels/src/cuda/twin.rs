@@ -199,6 +199,7 @@ pub(crate) fn cases(gpu: &CudaDevice, cpu: &CpuDevice, seed: u64) -> Result<Vec<
     out.extend(super::ops_gemv::selftest(gpu, cpu, seed)?);
     out.extend(super::ops_attention::selftest(gpu, cpu, seed)?);
     out.extend(super::ops_sample::selftest(gpu, cpu, seed)?);
+    out.extend(super::ops_delta::selftest(gpu, cpu, seed)?);
     Ok(out)
 }
 

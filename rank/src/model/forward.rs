@@ -952,27 +952,35 @@ impl<D: Device> Model<D> {
             eps,
         }))?;
         // The seam after each row-parallel projection: x = x + allreduce(o); xb = norm(x) ·
-        // next_norm, one fused kernel. With no allreduce (world 1) the add + norm is left
-        // pending instead and folded into the projection that reads xb
-        // (ops::AddNormMatmul), which writes the new residual into the other of two buffers
-        // (every block of it reads all of the old one): one kernel and its launch tail less
-        // per seam.
+        // next_norm, one fused kernel. With no allreduce (world 1) it is one add + norm
+        // kernel, or, where the next projection is narrow (n ≤ 2h: q|k|v), it is left pending
+        // and folded into that projection (ops::AddNormMatmul), which writes the new residual
+        // into the other of two buffers (every block of it reads all of the old one). The
+        // fold saves a launch tail (~1.7 µs under PDL) but every wave of the GEMV then reads
+        // x, delta and the norm weights, which grows with n: on the H200 it gains on q|k|v
+        // and loses ~4 µs per call on gate|up and the LM head (docs/perf-notes.md).
         let fold = world == 1;
+        let folds = |n: usize| fold && n <= 2 * h;
         let xs = [x, f32v(&s.x2, m * h)];
         let mut cur = 0; // xs[cur] holds the residual stream
-        let seam = |comm: &mut dyn Collectives<D>, next_norm| {
-            if fold {
+                         // `next_n`: the output width of the projection that reads xb next.
+        let seam = |comm: &mut dyn Collectives<D>, next_norm, cur: usize, next_n: usize| {
+            if folds(next_n) {
                 return Ok::<_, RankError>(Some(next_norm));
             }
             let e = AddNorm {
-                x,
+                x: xs[cur],
                 w: next_norm,
                 out: xb,
                 rows: m,
                 dim: h,
                 eps,
             };
-            comm.allreduce_add_norm(o, e)?;
+            if fold {
+                dev.run(&Op::AddRmsNorm(e.op(o)))?;
+            } else {
+                comm.allreduce_add_norm(o, e)?;
+            }
             Ok(None)
         };
         // y = xb · wᵀ (+ bias), with a pending seam folded in.
@@ -1060,7 +1068,7 @@ impl<D: Device> Model<D> {
                 _ => unreachable!("each layer's cache is allocated for its mixer"),
             }
             // x = x + allreduce(o); xb = post_attention_layernorm(x)
-            pending = seam(comm, lw.ffn_norm.view())?;
+            pending = seam(comm, lw.ffn_norm.view(), cur, 2 * ni)?;
             // hb = [gate_proj | up_proj](xb)
             project(
                 pending.take(),
@@ -1087,7 +1095,12 @@ impl<D: Device> Model<D> {
             } else {
                 w.norm.view()
             };
-            pending = seam(comm, next)?;
+            // The next layer's input projection (its blocks side by side), or the LM head.
+            let next_n = match w.layers.get(l + 1) {
+                Some(next) => self.in_blocks(&next.mixer).iter().sum(),
+                None => plan.vocab.len(),
+            };
+            pending = seam(comm, next, cur, next_n)?;
         }
         if !logits {
             return Ok(());
