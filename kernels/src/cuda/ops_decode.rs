@@ -39,6 +39,7 @@ pub(crate) const NAMES: &[&str] = &[
     "qkv_rope_bf16",
     "silu_mul",
     "add",
+    "sigmoid_mul",
 ];
 const FILL: usize = 0;
 /// + the table's dtype index.
@@ -52,6 +53,7 @@ const ROPE: usize = 10;
 const QKV_ROPE: usize = 11;
 const SILU_MUL: usize = 14;
 const ADD: usize = 15;
+const SIGMOID_MUL: usize = 16;
 
 /// Most threads of a norm block (decode.cu TP_NORM_THREADS).
 const NORM_THREADS: usize = 1024;
@@ -145,8 +147,10 @@ struct QkvParams {
     norm: u32,
     qn_dtype: u32,
     kn_dtype: u32,
+    rhalf: u32,
+    pad: u32,
 }
-const _: () = assert!(std::mem::size_of::<QkvParams>() == 104);
+const _: () = assert!(std::mem::size_of::<QkvParams>() == 112);
 
 /// decode.cu `struct BinParams`.
 #[repr(C)]
@@ -179,6 +183,7 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
         Op::QkvRope(a) => qkv_rope(l, a),
         Op::SiluMul(a) => binary(l, SILU_MUL, &a.gate, &a.up, &a.out),
         Op::Add(a) => binary(l, ADD, &a.a, &a.b, &a.out),
+        Op::SigmoidMul(a) => binary(l, SIGMOID_MUL, &a.x, &a.gate, &a.out),
         other => Err(KernelError::Unavailable {
             backend: "cuda",
             why: format!("no CUDA kernel for '{}' in decode.cu", other.name()),
@@ -399,15 +404,6 @@ fn rope(l: &Launcher<'_>, a: &ops::Rope<'_, CudaBuf>) -> Result<()> {
 }
 
 fn qkv_rope(l: &Launcher<'_>, a: &ops::QkvRope<'_, CudaBuf>) -> Result<()> {
-    if a.rotary_dim != a.head_dim {
-        // Qwen3.5's partial RoPE: the CPU twin has it, decode.cu not yet.
-        return Err(KernelError::Unavailable {
-            backend: "cuda",
-            why: "no CUDA kernel for qkv_rope with partial RoPE (rotary_dim < head_dim) in \
-                  decode.cu"
-                .into(),
-        });
-    }
     let norm_addr = |v: &Option<View<'_, CudaBuf>>| -> Result<(u64, u32)> {
         match v {
             Some(v) => Ok((addr(v)?, dtype_index(v.dtype)? as u32)),
@@ -434,6 +430,8 @@ fn qkv_rope(l: &Launcher<'_>, a: &ops::QkvRope<'_, CudaBuf>) -> Result<()> {
         norm: u32::from(a.q_norm.is_some()),
         qn_dtype,
         kn_dtype,
+        rhalf: to_u32("qkv_rope rotary_dim", a.rotary_dim / 2)?,
+        pad: 0,
     };
     let heads = to_u32("qkv_rope heads", a.heads + 2 * a.kv_heads)?;
     if a.rows == 0 || heads == 0 || a.head_dim == 0 {
@@ -842,6 +840,8 @@ struct QkvCase {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    /// head_dim, or fewer for partial RoPE (Qwen3.5).
+    rotary_dim: usize,
     cap: usize,
     pos: Vec<u32>,
     /// The q and k norm weights' dtypes (Qwen3), or none.
@@ -860,8 +860,12 @@ impl TwinCase for QkvCase {
             Some((q, k)) => format!(" q_norm {q} k_norm {k}"),
             None => String::new(),
         };
+        let partial = match self.rotary_dim < self.head_dim {
+            true => format!(" rotary_dim {}", self.rotary_dim),
+            false => String::new(),
+        };
         format!(
-            "qkv_rope kv {} heads {}/{} head_dim {} cap {} pos {:?}{norm}",
+            "qkv_rope kv {} heads {}/{} head_dim {}{partial} cap {} pos {:?}{norm}",
             self.kv, self.heads, self.kv_heads, self.head_dim, self.cap, self.pos
         )
     }
@@ -902,7 +906,7 @@ impl TwinCase for QkvCase {
             heads: self.heads,
             kv_heads: self.kv_heads,
             head_dim: self.head_dim,
-            rotary_dim: self.head_dim,
+            rotary_dim: self.rotary_dim,
         })
     }
     fn tol(&self) -> Tol {
@@ -918,18 +922,22 @@ fn qkv_cases(rng: &mut Rng) -> Vec<QkvCase> {
     let mut out = Vec::new();
     // (heads, kv_heads, head_dim, cap, positions): rows with a position at or past cap
     // (nothing stored, q still written), the last cache row, an 8B model's shard at decode,
-    // head_dim 256 (Qwen3.5) with one KV head, a single pair, and a head longer than one block
-    // pass (320 pairs).
-    let shapes: [(usize, usize, usize, usize, Vec<u32>); 6] = [
-        (4, 2, 8, 10, vec![5, 6, 12]),
-        (32, 8, 128, 16, vec![15]),
-        (8, 1, 256, 16, vec![16]),
-        (2, 2, 2, 4, vec![0, 1, 2]),
-        (1, 1, 640, 4, vec![3, 0, 9]),
-        (4, 4, 64, 8, vec![1, 100_000, 2]),
+    // head_dim 256 (Qwen3.5) with one KV head, a single pair, a head longer than one block
+    // pass (320 pairs); and partial RoPE (rotary_dim < head_dim: Qwen3.5's 64 of 256, a
+    // tiny one, one whose unrotated part is longer than a block pass).
+    let shapes: [(usize, usize, usize, usize, usize, Vec<u32>); 9] = [
+        (4, 2, 8, 8, 10, vec![5, 6, 12]),
+        (32, 8, 128, 128, 16, vec![15]),
+        (8, 1, 256, 256, 16, vec![16]),
+        (2, 2, 2, 2, 4, vec![0, 1, 2]),
+        (1, 1, 640, 640, 4, vec![3, 0, 9]),
+        (4, 4, 64, 64, 8, vec![1, 100_000, 2]),
+        (6, 1, 256, 64, 16, vec![16, 3]),
+        (8, 4, 32, 8, 12, vec![0, 5, 11]),
+        (1, 1, 640, 2, 4, vec![2]),
     ];
     for kv in DType::ALL {
-        for (heads, kv_heads, head_dim, cap, pos) in shapes.iter().cloned() {
+        for (heads, kv_heads, head_dim, rotary_dim, cap, pos) in shapes.iter().cloned() {
             for norm in [
                 None,
                 Some((DType::BF16, DType::BF16)),
@@ -943,13 +951,14 @@ fn qkv_cases(rng: &mut Rng) -> Vec<QkvCase> {
                     heads,
                     kv_heads,
                     head_dim,
+                    rotary_dim,
                     cap,
                     pos: pos.clone(),
                     norm,
                     qkv: f32s(rng, pos.len() * width, -6..=2),
                     k_cache: rng.bytes(kv, cache, -3..=3),
                     v_cache: rng.bytes(kv, cache, -3..=3),
-                    inv_freq: inv_freq(head_dim / 2, 1_000_000.0),
+                    inv_freq: inv_freq(rotary_dim / 2, 1_000_000.0),
                     q_norm: rng.bytes(qd, head_dim, -1..=0),
                     k_norm: rng.bytes(kd, head_dim, -1..=0),
                 });
@@ -968,8 +977,16 @@ enum Alias {
     B,
 }
 
+/// Which elementwise op a [`BinaryCase`] runs.
+#[derive(Clone, Copy, PartialEq)]
+enum BinKind {
+    Add,
+    SiluMul,
+    SigmoidMul,
+}
+
 struct BinaryCase {
-    silu: bool,
+    kind: BinKind,
     n: usize,
     alias: Alias,
     /// Elements before all three views.
@@ -987,7 +1004,11 @@ impl TwinCase for BinaryCase {
         };
         format!(
             "{} n {}{alias} shift {}",
-            if self.silu { "silu_mul" } else { "add" },
+            match self.kind {
+                BinKind::Add => "add",
+                BinKind::SiluMul => "silu_mul",
+                BinKind::SigmoidMul => "sigmoid_mul",
+            },
             self.n,
             self.shift
         )
@@ -1019,19 +1040,21 @@ impl TwinCase for BinaryCase {
             Alias::A => a,
             Alias::B => b,
         };
-        match self.silu {
-            true => Op::SiluMul(ops::SiluMul {
+        match self.kind {
+            BinKind::SiluMul => Op::SiluMul(ops::SiluMul {
                 gate: a,
                 up: b,
                 out,
             }),
-            false => Op::Add(ops::Add { a, b, out }),
+            BinKind::SigmoidMul => Op::SigmoidMul(ops::SigmoidMul { x: a, gate: b, out }),
+            BinKind::Add => Op::Add(ops::Add { a, b, out }),
         }
     }
     fn tol(&self) -> Tol {
-        match self.silu {
-            true => Tol::Rel(1e-6),
-            false => Tol::Exact,
+        match self.kind {
+            // expf ≤ 2 ulp, then one division (and a product): a few ulp.
+            BinKind::SiluMul | BinKind::SigmoidMul => Tol::Rel(1e-6),
+            BinKind::Add => Tol::Exact,
         }
     }
 }
@@ -1046,14 +1069,20 @@ fn binary_cases(rng: &mut Rng) -> Vec<BinaryCase> {
         (5120, 0),
         (100_003, 2),
     ];
-    for silu in [false, true] {
+    for kind in [BinKind::Add, BinKind::SiluMul, BinKind::SigmoidMul] {
         for &(n, shift) in &shapes {
             for alias in [Alias::None, Alias::A, Alias::B] {
-                // gate up to 32 (e^32 is finite; e^−g overflows only below −88).
-                let a = f32s(rng, shift + n, if silu { -6..=4 } else { -20..=10 });
-                let b = f32s(rng, shift + n, -6..=2);
+                // Gates up to 32 (e^32 is finite; e^−g overflows only below −88): silu_mul's
+                // is a, sigmoid_mul's is b.
+                let (ea, eb) = match kind {
+                    BinKind::Add => (-20..=10, -6..=2),
+                    BinKind::SiluMul => (-6..=4, -6..=2),
+                    BinKind::SigmoidMul => (-6..=2, -6..=4),
+                };
+                let a = f32s(rng, shift + n, ea);
+                let b = f32s(rng, shift + n, eb);
                 out.push(BinaryCase {
-                    silu,
+                    kind,
                     n,
                     alias,
                     shift,
@@ -1114,8 +1143,14 @@ mod tests {
             assert_eq!(NAMES[QKV_ROPE + i], format!("qkv_rope_{d}"));
         }
         assert_eq!(
-            [NAMES[FILL], NAMES[ROPE], NAMES[SILU_MUL], NAMES[ADD]],
-            ["fill", "rope", "silu_mul", "add"]
+            [
+                NAMES[FILL],
+                NAMES[ROPE],
+                NAMES[SILU_MUL],
+                NAMES[ADD],
+                NAMES[SIGMOID_MUL]
+            ],
+            ["fill", "rope", "silu_mul", "add", "sigmoid_mul"]
         );
         for name in NAMES {
             let defined = SOURCE

@@ -327,7 +327,7 @@ extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_PAIR_THREADS, 1) rope(RopeParams 
 
 // ---- The q|k|v epilogue -------------------------------------------------------------------
 
-// Arguments of qkv_rope_*. 104 bytes.
+// Arguments of qkv_rope_*. 112 bytes.
 struct QkvParams {
     u64 qkv;       // [rows, (heads + 2·kv_heads)·d] f32: q heads, k heads, v heads
     u64 q;         // [rows, heads·d] f32
@@ -346,6 +346,8 @@ struct QkvParams {
     u32 norm;      // 1: per-head RMSNorm of q and k (Qwen3) before RoPE
     u32 qn_dtype;  // 0 f32, 1 f16, 2 bf16
     u32 kn_dtype;
+    u32 rhalf;     // rotary_dim / 2 (= half but for partial RoPE: Qwen3.5)
+    u32 pad;
 };
 
 // Everything between the q|k|v GEMV and attention, for all heads in one launch. Block (h, r)
@@ -399,20 +401,32 @@ TP_DEV void qkv_rope(const QkvParams& p) {
         const float fpos = (float)pos;
         float* qdst = (float*)p.q + (r * p.heads + h) * d;
         u8* kdst = (u8*)p.k_cache + ((u64)pos * kv_width + (is_q ? 0 : h - p.heads) * d) * KV::SIZE;
-        for (u32 i = threadIdx.x; i < half; i += blockDim.x) {
-            float x1 = src[i], x2 = src[i + half];
+        // The rotated pairs (i, i + rhalf) of the first 2·rhalf dims, then the dims past them
+        // (partial RoPE: normed, not rotated).
+        const u32 rh = p.rhalf;
+        for (u32 i = threadIdx.x; i < rh; i += blockDim.x) {
+            float x1 = src[i], x2 = src[i + rh];
             if (p.norm) {
                 x1 = (x1 * inv) * ld_any(wn, i, wdt);
-                x2 = (x2 * inv) * ld_any(wn, i + half, wdt);
+                x2 = (x2 * inv) * ld_any(wn, i + rh, wdt);
             }
             float o1, o2;
             rope_pair(fpos, inv_freq[i], x1, x2, o1, o2);
             if (is_q) {
                 qdst[i] = o1;
-                qdst[i + half] = o2;
+                qdst[i + rh] = o2;
             } else {
                 KV::put(kdst, i, o1);
-                KV::put(kdst, i + half, o2);
+                KV::put(kdst, i + rh, o2);
+            }
+        }
+        for (u64 e = 2 * (u64)rh + threadIdx.x; e < d; e += blockDim.x) {
+            float x = src[e];
+            if (p.norm) x = (x * inv) * ld_any(wn, e, wdt);
+            if (is_q) {
+                qdst[e] = x;
+            } else {
+                KV::put(kdst, e, x);
             }
         }
     }
@@ -442,6 +456,10 @@ struct AddOp {
 struct SiluMulOp {
     TP_DEV static float f(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 };
+// x · σ(g) = x / (1 + e^−g) (Qwen3.5's attention output gate), the twin's expression.
+struct SigmoidMulOp {
+    TP_DEV static float f(float x, float g) { return x / (1.0f + expf(-g)); }
+};
 
 // out[i] = F(a[i], b[i]). Grid: 1-D grid-stride over packs of 4 elements, TP_THREADS per
 // block; each element is read and written by one thread, so out may alias an input.
@@ -463,3 +481,4 @@ TP_DEV void binary(const BinParams& p) {
 
 extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_THREADS, 1) silu_mul(BinParams p) { tp_pdl_wait(); binary<SiluMulOp>(p); }
 extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_THREADS, 1) add(BinParams p) { tp_pdl_wait(); binary<AddOp>(p); }
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_THREADS, 1) sigmoid_mul(BinParams p) { tp_pdl_wait(); binary<SigmoidMulOp>(p); }
