@@ -168,6 +168,7 @@ pub enum Op<'a, B> {
     SiluMul(ops::SiluMul<'a, B>),
     Add(ops::Add<'a, B>),
     Matmul(ops::Matmul<'a, B>),
+    MatmulInt4(ops::MatmulInt4<'a, B>),
     ShardTopK(ops::ShardTopK<'a, B>),
     Sample(ops::Sample<'a, B>),
 }
@@ -179,6 +180,17 @@ impl<B> Op<'_, B> {
         match self {
             Op::Matmul(a) => format!(
                 "matmul {}x{}{}{}",
+                a.n,
+                a.k,
+                if a.prologue == crate::ops::Prologue::SiluMul {
+                    " silu"
+                } else {
+                    ""
+                },
+                if a.m > 1 { " (prefill)" } else { "" }
+            ),
+            Op::MatmulInt4(a) => format!(
+                "matmul_int4 {}x{}{}{}",
                 a.n,
                 a.k,
                 if a.prologue == crate::ops::Prologue::SiluMul {
@@ -212,6 +224,7 @@ impl<B> Op<'_, B> {
             Op::SiluMul(_) => "silu_mul",
             Op::Add(_) => "add",
             Op::Matmul(_) => "matmul",
+            Op::MatmulInt4(_) => "matmul_int4",
             Op::ShardTopK(_) => "shard_topk",
             Op::Sample(_) => "sample",
         }
@@ -237,6 +250,7 @@ impl<B> Op<'_, B> {
             Op::SiluMul(a) => a.validate(),
             Op::Add(a) => a.validate(),
             Op::Matmul(a) => a.validate(),
+            Op::MatmulInt4(a) => a.validate(),
             Op::ShardTopK(a) => a.validate(),
             Op::Sample(a) => a.validate(),
         }

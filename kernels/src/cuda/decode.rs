@@ -6,7 +6,7 @@
 
 use super::launch::Launcher;
 use super::mem::CudaBuf;
-use super::{ops_attention, ops_decode, ops_gemv, ops_sample};
+use super::{ops_attention, ops_decode, ops_gemv, ops_gemv_q4, ops_sample};
 use crate::device::Op;
 use crate::Result;
 
@@ -15,6 +15,7 @@ impl Launcher<'_> {
     pub(crate) fn decode_op(&self, op: &Op<'_, CudaBuf>) -> Result<()> {
         match op {
             Op::Matmul(_) => ops_gemv::launch(self, op),
+            Op::MatmulInt4(_) => ops_gemv_q4::launch(self, op),
             Op::Attention(_) => ops_attention::launch(self, op),
             Op::ShardTopK(_) | Op::Sample(_) => ops_sample::launch(self, op),
             _ => ops_decode::launch(self, op),
@@ -27,6 +28,7 @@ pub(crate) fn kernel_names(module: &str) -> Option<Vec<String>> {
     let names = match module {
         "decode" => ops_decode::NAMES,
         "gemv" => ops_gemv::NAMES,
+        "gemv_q4" => ops_gemv_q4::NAMES,
         "attention" => ops_attention::NAMES,
         "sample" => ops_sample::NAMES,
         _ => return None,

@@ -19,6 +19,7 @@ pub mod mem;
 mod ops_attention;
 mod ops_decode;
 mod ops_gemv;
+mod ops_gemv_q4;
 mod ops_sample;
 pub mod probe;
 pub mod program;

@@ -26,13 +26,14 @@ const HEADERS: [(&str, &str); 2] = [
 ];
 
 /// The kernel sources, one per op family: (module name, source), in [`Module`] order.
-pub(crate) const SOURCES: [(&str, &str); 6] = [
+pub(crate) const SOURCES: [(&str, &str); 7] = [
     ("reduce", include_str!("../gpu/reduce.cu")),
     ("comm", include_str!("../gpu/comm.cu")),
     ("decode", include_str!("../gpu/decode.cu")),
     ("gemv", include_str!("../gpu/gemv.cu")),
     ("attention", include_str!("../gpu/attention.cu")),
     ("sample", include_str!("../gpu/sample.cu")),
+    ("gemv_q4", include_str!("../gpu/gemv_q4.cu")),
 ];
 
 /// The modules, by their index in [`SOURCES`]: the first half of a typed kernel address
@@ -45,6 +46,7 @@ pub(crate) enum Module {
     Gemv = 3,
     Attention = 4,
     Sample = 5,
+    GemvQ4 = 6,
 }
 
 /// Replaces each `#include "H"` of a known header with its text, once per header (the headers
