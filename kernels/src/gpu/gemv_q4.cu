@@ -44,9 +44,16 @@
 //
 // Grid (kernels/src/cuda/ops_gemv_q4.rs): one wave per R rows, 4 waves per block (fewer while
 // that leaves under 2 blocks per SM), grid.y the token tiles of MT when m > 1. U chunks per
-// row, U · R = TP_Q4_LOADS 16-byte loads, are in flight per lane before any is used; the first
+// row, U · R = TP_Q4_LOADS (TP_Q4_LOADS_SILU) 16-byte loads, are in flight per lane before any
+// is used; the first
 // U of a lane are issued before tp_pdl_wait() (weights, scales and zeros are written by no
 // kernel of the step), x only after it.
+//
+// Registers (ptxas -v, sm_90, NVRTC 13): gemv_q4 fits 128 (two 256-thread blocks per SM, 16
+// waves: gate|up has 66 waves per SM to run) with U · R = 8 loads in flight, no spills (16
+// loads needed 238); gemv_q4_silu takes 255 without spills, which is fine because down_proj
+// has only ~5 waves per SM (640 in all) and 8 fit; the prefill kernels take 255 (gemm_q4
+// spills 20 bytes).
 //
 // Other paths: a scalar path (one u32 word = 8 inputs per lane step, plain loads, any
 // group multiple of 8, any alignment) when kq or the group is not a multiple of 32 or a view
@@ -68,7 +75,8 @@
 #define TP_Q4_ROWS_SILU 8    // R with the SiluMul prologue (amortises exp and reciprocal)
 #define TP_Q4_ROWS_TILE 2    // R of the prefill kernels
 #define TP_Q4_TOKENS 8       // MT: tokens per tile when m > 1
-#define TP_Q4_LOADS 16       // U · R: weight loads in flight per lane (decode)
+#define TP_Q4_LOADS 8        // U · R: weight loads in flight per lane (gemv_q4)
+#define TP_Q4_LOADS_SILU 16  // the same for gemv_q4_silu
 
 // kernels/src/cuda/ops_gemv_q4.rs `GemvQ4Params`, passed by value.
 struct GemvQ4Params {
@@ -84,7 +92,12 @@ struct GemvQ4Params {
     u32 pad;
 };
 
-#if defined(TP_CUDA)
+// The subnormal reading on CUDA (and in scripts/emulate_gemv_q4.sh's host build, which
+// checks it on a CPU); the 2^23 one elsewhere.
+#if defined(TP_CUDA) && !defined(TP_Q4_SUBNORMAL)
+#define TP_Q4_SUBNORMAL 1
+#endif
+#if defined(TP_Q4_SUBNORMAL)
 #define TP_Q4_XSCALE 0x1p64f  // a' = a · 2^64
 #define TP_Q4_DSCALE 0x1p85f  // Σ a q = acc_0 · 2^85 (acc_j · 2^(85 − 4j))
 // q · 2^(4j) · 2^-149, exactly: `bits` (a nibble masked in place, below 2^16) as an f32.
@@ -147,21 +160,24 @@ TP_DEV float q4_silu_mul(float g, float u) { return __fdividef(g, 1.0f + __expf(
 template <int WPL, bool SILU>
 TP_DEV float q4_act(const float* row, u32 k, const u32* perm, u32 j0, float (&a)[8 * WPL]) {
     constexpr int E = 8 * WPL;
-    u32 idx[E];
     if (perm) {
-        if (WPL == 4) {
+        // Four indices at a time (16-byte loads on the vector path), each gathered at once,
+        // so that only four are live.
 #pragma unroll
-            for (int q = 0; q < E / 4; ++q) {
+        for (int q = 0; q < E / 4; ++q) {
+            u32 idx[4];
+            if (WPL == 4) {
                 const V16 v = *(const V16*)(perm + j0 + 4 * q);
 #pragma unroll
-                for (int i = 0; i < 4; ++i) idx[4 * q + i] = v.w[i];
+                for (int i = 0; i < 4; ++i) idx[i] = v.w[i];
+            } else {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) idx[i] = perm[j0 + 4 * q + i];
             }
-        } else {
 #pragma unroll
-            for (int e = 0; e < E; ++e) idx[e] = perm[j0 + e];
+            for (int i = 0; i < 4; ++i)
+                a[4 * q + i] = SILU ? q4_silu_mul(row[idx[i]], row[k + idx[i]]) : row[idx[i]];
         }
-#pragma unroll
-        for (int e = 0; e < E; ++e) a[e] = SILU ? q4_silu_mul(row[idx[e]], row[k + idx[e]]) : row[idx[e]];
     } else if (WPL == 4) {
 #pragma unroll
         for (int q = 0; q < E / 4; ++q) {
@@ -295,7 +311,7 @@ TP_DEV void q4_rows(const GemvQ4Params& p, const u32* const (&wr)[R], const u32 
 }
 
 template <int R, int MT, int U, bool SILU>
-TP_DEV void gemv_q4(const GemvQ4Params& p) {
+TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
     static_assert(R * MT <= TP_WAVE, "one writing lane per (row, token)");
     const u32 lane = threadIdx.x % TP_WAVE;
     const u32 waves = blockDim.x / TP_WAVE;
@@ -351,12 +367,13 @@ TP_DEV void gemv_q4(const GemvQ4Params& p) {
 }
 
 // Kernel names, in the order of kernels/src/cuda/ops_gemv_q4.rs NAMES.
-#define TP_GEMV_Q4_KERNEL(name, R, MT, U, SILU)                                    \
-    extern "C" __global__ void TP_LAUNCH_BOUNDS(256, 1) name(const GemvQ4Params p) { \
-        gemv_q4<R, MT, U, SILU>(p); /* waits for the kernel before once its loads are out */ \
+// MINB: blocks of 256 threads per SM the registers must allow (see Registers).
+#define TP_GEMV_Q4_KERNEL(name, R, MT, U, SILU, MINB)                               \
+    extern "C" __global__ void TP_LAUNCH_BOUNDS(256, MINB) name(const GemvQ4Params p) { \
+        gemv_q4_body<R, MT, U, SILU>(p); /* waits for the kernel before once its loads are out */ \
     }
 
-TP_GEMV_Q4_KERNEL(gemv_q4, TP_Q4_ROWS, 1, TP_Q4_LOADS / TP_Q4_ROWS, false)
-TP_GEMV_Q4_KERNEL(gemv_q4_silu, TP_Q4_ROWS_SILU, 1, TP_Q4_LOADS / TP_Q4_ROWS_SILU, true)
-TP_GEMV_Q4_KERNEL(gemm_q4, TP_Q4_ROWS_TILE, TP_Q4_TOKENS, 1, false)
-TP_GEMV_Q4_KERNEL(gemm_q4_silu, TP_Q4_ROWS_TILE, TP_Q4_TOKENS, 1, true)
+TP_GEMV_Q4_KERNEL(gemv_q4, TP_Q4_ROWS, 1, TP_Q4_LOADS / TP_Q4_ROWS, false, 2)
+TP_GEMV_Q4_KERNEL(gemv_q4_silu, TP_Q4_ROWS_SILU, 1, TP_Q4_LOADS_SILU / TP_Q4_ROWS_SILU, true, 1)
+TP_GEMV_Q4_KERNEL(gemm_q4, TP_Q4_ROWS_TILE, TP_Q4_TOKENS, 1, false, 1)
+TP_GEMV_Q4_KERNEL(gemm_q4_silu, TP_Q4_ROWS_TILE, TP_Q4_TOKENS, 1, true, 1)
