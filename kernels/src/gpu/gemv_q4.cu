@@ -225,27 +225,30 @@ TP_DEV float q4_dot(const Q4Words<WPL>& wv, const float (&a)[8 * WPL]) {
     return fmaf(acc[0], TP_Q4_DSCALE, d);
 }
 
-// One row's scale and zero for the group of stored input j0.
+// One row's scale and zero for group g.
 struct Q4Group {
     u16 s;
     u32 zw;  // the zeros word holding this group's nibble
 };
 
-TP_DEV Q4Group q4_ld_group(const GemvQ4Params& p, u32 row, u32 j0) {
-    const u32 g = j0 / p.group;
-    const u16* sc = (const u16*)p.scales;
-    const u32* zs = (const u32*)p.zeros;
+// One row's scales [groups] and zeros words [ceil(groups / 8)].
+struct Q4Row {
+    const u32* w;
+    const u16* s;
+    const u32* z;
+};
+
+TP_DEV Q4Group q4_ld_group(const Q4Row& row, u32 g) {
     Q4Group r;
-    r.s = sc[(u64)row * p.groups + g];
-    r.zw = zs[(u64)row * ((p.groups + 7) / 8) + g / 8];
+    r.s = row.s[g];
+    r.zw = row.z[g / 8];
     return r;
 }
 
-// acc[r][t] += s · (Σ a q − z · Σ a) for chunk j0 of every row and token.
+// acc[r][t] += s · (Σ a q − z · Σ a) for chunk j0 (in group g) of every row and token.
 template <int WPL, int R, int MT, bool SILU>
 TP_DEV void q4_chunk(const GemvQ4Params& p, const Q4Words<WPL> (&wv)[R], const Q4Group (&gr)[R],
-                     const float* const (&xr)[MT], u32 j0, float (&acc)[R][MT]) {
-    const u32 g = j0 / p.group;
+                     const float* const (&xr)[MT], u32 j0, u32 g, float (&acc)[R][MT]) {
     float s[R], z[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -275,38 +278,40 @@ TP_DEV void q4_wait_once(bool& waited) {
 // This lane's chunks (8 · WPL stored inputs each) lane, lane + TP_WAVE, ... of every row of
 // the group, U at a time while all U exist, then one at a time.
 template <int WPL, int R, int MT, int U, bool SILU>
-TP_DEV void q4_rows(const GemvQ4Params& p, const u32* const (&wr)[R], const u32 (&rows)[R],
-                    const float* const (&xr)[MT], u32 lane, float (&acc)[R][MT], bool& waited) {
+TP_DEV void q4_rows(const GemvQ4Params& p, const Q4Row (&rows)[R], const float* const (&xr)[MT],
+                    u32 lane, float (&acc)[R][MT], bool& waited) {
     constexpr u32 E = 8 * WPL;
     const u32 chunks = p.kq / E;
     u32 c = lane;
     for (; c + (U - 1) * TP_WAVE < chunks; c += U * TP_WAVE) {
         Q4Words<WPL> wv[U][R];
         Q4Group gr[U][R];
+        u32 g[U];  // one division per chunk, shared by the R rows
 #pragma unroll
         for (int u = 0; u < U; ++u) {
+            g[u] = (c + u * TP_WAVE) * E / p.group;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                const u32 j0 = (c + u * TP_WAVE) * E;
-                wv[u][r] = q4_ld<WPL>(wr[r] + j0 / 8);
-                gr[u][r] = q4_ld_group(p, rows[r], j0);
+                wv[u][r] = q4_ld<WPL>(rows[r].w + (c + u * TP_WAVE) * WPL);
+                gr[u][r] = q4_ld_group(rows[r], g[u]);
             }
         }
         q4_wait_once(waited);
 #pragma unroll
         for (int u = 0; u < U; ++u)
-            q4_chunk<WPL, R, MT, SILU>(p, wv[u], gr[u], xr, (c + u * TP_WAVE) * E, acc);
+            q4_chunk<WPL, R, MT, SILU>(p, wv[u], gr[u], xr, (c + u * TP_WAVE) * E, g[u], acc);
     }
     q4_wait_once(waited);
     for (; c < chunks; c += TP_WAVE) {
         Q4Words<WPL> wv[R];
         Q4Group gr[R];
+        const u32 g = c * E / p.group;
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            wv[r] = q4_ld<WPL>(wr[r] + c * WPL);
-            gr[r] = q4_ld_group(p, rows[r], c * E);
+            wv[r] = q4_ld<WPL>(rows[r].w + c * WPL);
+            gr[r] = q4_ld_group(rows[r], g);
         }
-        q4_chunk<WPL, R, MT, SILU>(p, wv, gr, xr, c * E, acc);
+        q4_chunk<WPL, R, MT, SILU>(p, wv, gr, xr, c * E, g, acc);
     }
 }
 
@@ -320,6 +325,7 @@ TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
     const u64 xk = SILU ? 2ull * p.k : (u64)p.k;
     const float* x = (const float*)p.x;
     const u32* w = (const u32*)p.qweight;
+    const u64 zw = (p.groups + 7) / 8;
     float* y = (float*)p.y;
     // A thread with no rows to compute exits without waiting: it reads and writes nothing.
     bool waited = false;
@@ -333,12 +339,13 @@ TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
         for (u32 rg = blockIdx.x * waves + threadIdx.x / TP_WAVE; rg < rgroups;
              rg += gridDim.x * waves) {
             // Rows past n repeat the last one, likewise.
-            const u32* wr[R];
-            u32 rows[R];
+            Q4Row rows[R];
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                rows[r] = q4_min(rg * R + r, p.n - 1);
-                wr[r] = w + (u64)rows[r] * (p.kq / 8);
+                const u64 row = q4_min(rg * R + r, p.n - 1);
+                rows[r].w = w + row * (p.kq / 8);
+                rows[r].s = (const u16*)p.scales + row * p.groups;
+                rows[r].z = (const u32*)p.zeros + row * zw;
             }
             float acc[R][MT];
 #pragma unroll
@@ -347,9 +354,9 @@ TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
                 for (int t = 0; t < MT; ++t) acc[r][t] = 0.0f;
             }
             if (p.vec) {
-                q4_rows<4, R, MT, U, SILU>(p, wr, rows, xr, lane, acc, waited);
+                q4_rows<4, R, MT, U, SILU>(p, rows, xr, lane, acc, waited);
             } else {
-                q4_rows<1, R, MT, 1, SILU>(p, wr, rows, xr, lane, acc, waited);
+                q4_rows<1, R, MT, 1, SILU>(p, rows, xr, lane, acc, waited);
             }
 #pragma unroll
             for (int r = 0; r < R; ++r) {
