@@ -45,15 +45,14 @@
 // Grid (kernels/src/cuda/ops_gemv_q4.rs): one wave per R rows, 4 waves per block (fewer while
 // that leaves under 2 blocks per SM), grid.y the token tiles of MT when m > 1. U chunks per
 // row, U · R = TP_Q4_LOADS (TP_Q4_LOADS_SILU) 16-byte loads, are in flight per lane before any
-// is used; the first
-// U of a lane are issued before tp_pdl_wait() (weights, scales and zeros are written by no
-// kernel of the step), x only after it.
+// is used; the first U of a lane are issued before tp_pdl_wait() (weights, scales and zeros
+// are written by no kernel of the step), x only after it.
 //
 // Registers (ptxas -v, sm_90, NVRTC 13): gemv_q4 fits 128 (two 256-thread blocks per SM, 16
 // waves: gate|up has 66 waves per SM to run) with U · R = 8 loads in flight, no spills (16
 // loads needed 238); gemv_q4_silu takes 255 without spills, which is fine because down_proj
 // has only ~5 waves per SM (640 in all) and 8 fit; the prefill kernels take 255 (gemm_q4
-// spills 20 bytes).
+// spills 4 bytes).
 //
 // Other paths: a scalar path (one u32 word = 8 inputs per lane step, plain loads, any
 // group multiple of 8, any alignment) when kq or the group is not a multiple of 32 or a view
@@ -65,7 +64,9 @@
 // Expected: the bytes read are qweight (n · kq / 2) + scales (2 · n · groups) + zeros; for the
 // 27B shapes at group 128, [34816, 5120] is 89.1 + 2.9 MB and [5120, 17408] with the prologue
 // 44.6 + 1.5 MB. Target ≥ 75 % of the 4.2 TB/s copy ceiling (`tprun bench gemv --quant
-// int4`); not yet measured (written without a GPU, 2026-12-03).
+// int4`); not yet measured (written without a GPU, 2026-12-03). Its arithmetic and indexing
+// were checked on a CPU by scripts/emulate_gemv_q4.sh (both nibble readings, every path), and
+// on a GPU `tprun selftest` compares every path with the CPU twin.
 
 #include "portable.h"
 #include "elem.h"
