@@ -771,6 +771,52 @@ mod tests {
     }
 
     #[test]
+    fn matmul_int4_checks_every_shape() {
+        let ok = MatmulInt4 {
+            x: v(256, DType::F32),
+            qweight: v(4 * 32, DType::U32),
+            scales: v(4 * 2, DType::F16),
+            zeros: v(4, DType::U32),
+            perm: None,
+            y: v(4, DType::F32),
+            m: 1,
+            k: 256,
+            n: 4,
+            group: 128,
+            groups: 2,
+            prologue: Prologue::None,
+        };
+        ok.validate().unwrap();
+        // A perm may cover more stored inputs than k (padded groups of a desc_act shard).
+        MatmulInt4 {
+            x: v(200, DType::F32),
+            k: 200,
+            perm: Some(v(256, DType::U32)),
+            ..ok
+        }
+        .validate()
+        .unwrap();
+        for bad in [
+            MatmulInt4 { group: 12, ..ok },
+            MatmulInt4 { k: 200, ..ok },
+            MatmulInt4 {
+                scales: v(8, DType::BF16),
+                ..ok
+            },
+            MatmulInt4 {
+                zeros: v(8, DType::U32),
+                ..ok
+            },
+            MatmulInt4 {
+                prologue: Prologue::SiluMul,
+                ..ok
+            },
+        ] {
+            assert!(bad.validate().is_err());
+        }
+    }
+
+    #[test]
     fn positions_must_be_u32() {
         let r = Rope {
             x: v(16, DType::F32),
