@@ -1,5 +1,6 @@
 //! Dispatch of the decode ops to their families' launchers: `ops_decode` (decode.cu:
 //! embedding, norms, RoPE, the q|k|v epilogue, elementwise), `ops_gemv` (gemv.cu: Matmul),
+//! `ops_gemv_q4` (gemv_q4.cu: MatmulInt4),
 //! `ops_attention` (attention.cu), `ops_sample` (sample.cu: per-shard top-k, sampling).
 //!
 //! Must not: allocate or synchronise (every op here is captured into the decode graph).

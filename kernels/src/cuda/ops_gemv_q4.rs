@@ -143,7 +143,7 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
     if overlap(y, a.y.bytes(), x, a.x.bytes()) || overlap(y, a.y.bytes(), qweight, wbytes) {
         return Err(bad("y overlaps x or the weights".into()));
     }
-    if a.m == 0 {
+    if a.m == 0 || a.n == 0 {
         return Ok(());
     }
     // The 16-byte path: 32-input chunks that never straddle a group, qweight rows and perm
