@@ -99,6 +99,49 @@ impl Int4Host {
         w
     }
 
+    /// The layers' rows one after another (gate | up, q | k | v as one product), for layers
+    /// of the same inputs in the same layout: the same k, group, groups and perm. GPTQ
+    /// quantizes each module on its own, so `desc_act` layers usually differ in perm and
+    /// cannot be fused this way (an error says so).
+    pub fn concat_rows(parts: &[Int4Host]) -> Result<Int4Host, String> {
+        let Some(first) = parts.first() else {
+            return Err("int4: nothing to concatenate".into());
+        };
+        let same = |h: &Int4Host| {
+            (h.k, h.group, h.groups, &h.perm) == (first.k, first.group, first.groups, &first.perm)
+        };
+        if let Some(h) = parts.iter().find(|h| !same(h)) {
+            return Err(format!(
+                "int4: layers of different input layouts cannot share one product (k {} vs {}, \
+                 {} groups of {} vs {} of {}, perm {} vs {})",
+                first.k,
+                h.k,
+                first.groups,
+                first.group,
+                h.groups,
+                h.group,
+                if first.perm.is_some() {
+                    "given"
+                } else {
+                    "none"
+                },
+                if h.perm == first.perm {
+                    "the same"
+                } else {
+                    "different"
+                },
+            ));
+        }
+        let cat = |f: fn(&Int4Host) -> &Vec<u32>| parts.iter().flat_map(f).copied().collect();
+        Ok(Int4Host {
+            n: parts.iter().map(|h| h.n).sum(),
+            qweight: cat(|h| &h.qweight),
+            zeros: cat(|h| &h.zeros),
+            scales: parts.iter().flat_map(|h| &h.scales).copied().collect(),
+            ..first.clone()
+        })
+    }
+
     /// Repacks a GPTQ linear (or a rank's slice of one): `qweight` [k/8, n] as stored (8
     /// nibbles along k per word), `zeros` [groups, n] unpacked zero points (the convention
     /// already applied), `scales` [groups, n] (f16 values), `g_idx` [k]: the group of each
@@ -289,6 +332,29 @@ mod tests {
         let h = Int4Host::from_gptq(n, 40, &qcut, &z, &s, &g_cut).unwrap();
         assert!(h.kq() >= 40 && h.group.is_multiple_of(8));
         assert_eq!(h.dequantize(), gptq_dequant(n, 40, &qcut, &z, &s, &g_cut));
+    }
+
+    #[test]
+    fn rows_of_one_layout_concatenate() {
+        let mut rng = Rng::new(5);
+        let (k, gl) = (128usize, 32usize);
+        let g_idx: Vec<u32> = (0..k).map(|c| (c / gl) as u32).collect();
+        let mk = |rng: &mut Rng, n: usize| {
+            let (qw, z, s) = gptq(rng, n, k, k / gl);
+            Int4Host::from_gptq(n, k, &qw, &z, &s, &g_idx).unwrap()
+        };
+        let (a, b) = (mk(&mut rng, 16), mk(&mut rng, 24));
+        let c = Int4Host::concat_rows(&[a.clone(), b.clone()]).unwrap();
+        assert_eq!(c.n, 40);
+        let mut want = a.dequantize();
+        want.extend(b.dequantize());
+        assert_eq!(c.dequantize(), want);
+        // Another group size: refused.
+        let g64: Vec<u32> = (0..k).map(|c| (c / 64) as u32).collect();
+        let (qw, z, s) = gptq(&mut rng, 8, k, 2);
+        let d = Int4Host::from_gptq(8, k, &qw, &z, &s, &g64).unwrap();
+        assert!(Int4Host::concat_rows(&[a, d]).is_err());
+        assert!(Int4Host::concat_rows(&[]).is_err());
     }
 
     #[test]
