@@ -3,9 +3,9 @@
 //!
 //! The activations of every token are computed once ([`crate::ops::Prologue`]) and gathered
 //! through `perm` into stored-input order; threads split the output rows, and each row is
-//! dequantised into an f32 scratch row (`(q − z) · s` is exact in f32) and dotted with every
-//! token's activations ([`dot`]). Slow next to the GPU kernel (it widens 8 bytes per 4-bit
-//! weight), but plain: the reference the GPU is held to.
+//! dequantised into an f32 scratch row (`(q − z) · s` is exact in f32; a 16-entry table per
+//! group) and dotted with every token's activations ([`dot`]). Slow next to the GPU kernel
+//! (it widens 8 bytes per 4-bit weight), but plain: the reference the GPU is held to.
 
 use super::super::{par_ranges, CpuBuf, CpuDevice};
 use super::{dot, f32_ptr, overlaps, typed_ptr, MIN_WORK_PER_THREAD};
@@ -74,11 +74,21 @@ pub(crate) fn matmul_int4(dev: &CpuDevice, a: &MatmulInt4<'_, CpuBuf>) -> Result
                     std::slice::from_raw_parts(zp.get().add(row * zw), zw),
                 )
             };
-            for (j, w) in wf.iter_mut().enumerate() {
-                let g = j / group;
-                let qv = (q[j / PACK] >> (4 * (j % PACK))) & 0xf;
-                let zv = (z[g / PACK] >> (4 * (g % PACK))) & 0xf;
-                *w = (qv as f32 - zv as f32) * s[g].to_f32();
+            // Per group the 16 values a nibble can stand for, then one lookup per weight.
+            let words = group / PACK;
+            for g in 0..groups {
+                let zv = ((z[g / PACK] >> (4 * (g % PACK))) & 0xf) as f32;
+                let sg = s[g].to_f32();
+                let lut: [f32; 16] = std::array::from_fn(|v| (v as f32 - zv) * sg);
+                let dst = &mut wf[g * group..(g + 1) * group];
+                for (d8, &w) in dst
+                    .chunks_exact_mut(PACK)
+                    .zip(&q[g * words..(g + 1) * words])
+                {
+                    for (i, d) in d8.iter_mut().enumerate() {
+                        *d = lut[((w >> (4 * i)) & 0xf) as usize];
+                    }
+                }
             }
             for t in 0..m {
                 let v = dot(&xs[t * kq..(t + 1) * kq], &wf);
