@@ -197,6 +197,51 @@ pub struct SynthArgs {
 pub enum BenchCommand {
     /// Measure the allreduce alone: time, algbw, busbw and #wrong per size and algorithm.
     Allreduce(BenchAllreduceArgs),
+    /// Measure matrix–vector products alone (dense or GPTQ int4): µs per call and TB/s of the
+    /// bytes they read, against the device copy bandwidth measured in the same run.
+    Gemv(BenchGemvArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct BenchGemvArgs {
+    /// Weights: int4 (GPTQ, MatmulInt4) or a dense dtype (f32, f16, bf16; Matmul).
+    #[arg(long, default_value = "int4")]
+    pub quant: String,
+
+    /// Shapes NxK (outputs x inputs), comma-separated; `:silu` adds the SiluMul prologue
+    /// (down_proj). Default: the MLP of a 27B Qwen3.5 at TP=1 (gate|up, then down).
+    #[arg(
+        long,
+        default_value = "34816x5120,5120x17408:silu",
+        value_delimiter = ','
+    )]
+    pub shapes: Vec<String>,
+
+    /// int4 group size (inputs per scale), or -1 for one group over all of K.
+    #[arg(long, default_value_t = 128, allow_hyphen_values = true)]
+    pub group: i64,
+
+    /// int4 with act-order (inputs gathered through a permutation).
+    #[arg(long)]
+    pub desc_act: bool,
+
+    /// Tokens per call (1 = decode).
+    #[arg(long, default_value_t = 1, allow_hyphen_values = true,
+          value_parser = whole::<usize>(1, 4096))]
+    pub m: usize,
+
+    /// Timed calls per row, 1 to 10^6 (default: 50 graph replays on a GPU, 2 calls on the CPU).
+    #[arg(long, allow_hyphen_values = true, value_parser = whole::<u32>(1, 1_000_000))]
+    pub iters: Option<u32>,
+
+    /// Untimed calls before the timed ones.
+    #[arg(long, default_value_t = 2, allow_hyphen_values = true,
+          value_parser = whole::<u32>(0, 1_000_000))]
+    pub warmup: u32,
+
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]

@@ -155,7 +155,10 @@ impl Observer for Streamer {
                 self.loaded();
             }
             r @ Report::Decode { .. } => self.stats = Some(r),
-            Report::BenchRow { .. } | Report::Selftest { .. } => {}
+            Report::BenchRow { .. }
+            | Report::Selftest { .. }
+            | Report::CopyBandwidth { .. }
+            | Report::GemvRow { .. } => {}
         }
     }
 

@@ -3,6 +3,7 @@
 //! memory; ranks (re-executions of this binary as `tprun rank`) do.
 
 mod bench;
+mod bench_gemv;
 mod decode;
 mod info;
 mod launch;
@@ -285,6 +286,9 @@ fn run(cli: Cli) -> i32 {
         Command::Bench {
             what: BenchCommand::Allreduce(a),
         } => bench::run(&settings, a),
+        Command::Bench {
+            what: BenchCommand::Gemv(a),
+        } => bench_gemv::run(&settings, a),
         Command::Decode(a) => decode::run(&settings, a),
         Command::Selftest(a) => info::selftest(&settings, a),
         Command::Rank(_) | Command::Synth(_) | Command::Info(_) => unreachable!("handled above"),

@@ -170,6 +170,7 @@ pub enum Op<'a, B> {
     Add(ops::Add<'a, B>),
     Matmul(ops::Matmul<'a, B>),
     AddNormMatmul(ops::AddNormMatmul<'a, B>),
+    MatmulInt4(ops::MatmulInt4<'a, B>),
     ShardTopK(ops::ShardTopK<'a, B>),
     Sample(ops::Sample<'a, B>),
 }
@@ -181,6 +182,17 @@ impl<B> Op<'_, B> {
         match self {
             Op::Matmul(a) => format!(
                 "matmul {}x{}{}{}",
+                a.n,
+                a.k,
+                if a.prologue == crate::ops::Prologue::SiluMul {
+                    " silu"
+                } else {
+                    ""
+                },
+                if a.m > 1 { " (prefill)" } else { "" }
+            ),
+            Op::MatmulInt4(a) => format!(
+                "matmul_int4 {}x{}{}{}",
                 a.n,
                 a.k,
                 if a.prologue == crate::ops::Prologue::SiluMul {
@@ -222,6 +234,7 @@ impl<B> Op<'_, B> {
             Op::Add(_) => "add",
             Op::Matmul(_) => "matmul",
             Op::AddNormMatmul(_) => "add_norm_matmul",
+            Op::MatmulInt4(_) => "matmul_int4",
             Op::ShardTopK(_) => "shard_topk",
             Op::Sample(_) => "sample",
         }
@@ -249,6 +262,7 @@ impl<B> Op<'_, B> {
             Op::Add(a) => a.validate(),
             Op::Matmul(a) => a.validate(),
             Op::AddNormMatmul(a) => a.validate(),
+            Op::MatmulInt4(a) => a.validate(),
             Op::ShardTopK(a) => a.validate(),
             Op::Sample(a) => a.validate(),
         }

@@ -598,6 +598,80 @@ impl<B> AddNormMatmul<'_, B> {
     }
 }
 
+/// [`Matmul`] over GPTQ int4 weights in the layout of [`crate::int4`]: `y = f(x) · wᵀ`, with
+/// `w[row][perm[j]] += (q[row][j] − z[row][j / group]) · s[row][j / group]` over the `kq =
+/// groups · group` stored inputs j, accumulated in f32. `x`, `f`, `y`, `m` as in [`Matmul`]
+/// (`x`: [m, k] or, with [`Prologue::SiluMul`], [m, 2k]; `y`: [m, n] f32, not overlapping x);
+/// `qweight`: [n, kq/8] u32; `scales`: [n, groups] f16; `zeros`: [n, ⌈groups/8⌉] u32;
+/// `perm`: [kq] u32, each < k (None: kq = k and stored input j is input j). `group` is a
+/// multiple of 8.
+pub struct MatmulInt4<'a, B> {
+    pub x: View<'a, B>,
+    pub qweight: View<'a, B>,
+    pub scales: View<'a, B>,
+    pub zeros: View<'a, B>,
+    pub perm: Option<View<'a, B>>,
+    pub y: View<'a, B>,
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+    pub group: usize,
+    pub groups: usize,
+    pub prologue: Prologue,
+}
+
+impl<B> MatmulInt4<'_, B> {
+    /// Stored inputs per row.
+    pub fn kq(&self) -> usize {
+        self.groups * self.group
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let op = "matmul_int4";
+        let (g, kq) = (self.group, self.kq());
+        if g == 0 || !g.is_multiple_of(8) || self.groups == 0 || self.k == 0 {
+            return Err(bad(
+                op,
+                format!(
+                    "{} groups of {g} (a multiple of 8) over k {}",
+                    self.groups, self.k
+                ),
+            ));
+        }
+        match &self.perm {
+            None if kq != self.k => {
+                return Err(bad(
+                    op,
+                    format!("{kq} stored inputs for k {} and no perm", self.k),
+                ))
+            }
+            Some(p) => expect(op, "perm", p, kq, U32)?,
+            None => {}
+        }
+        let xk = match self.prologue {
+            Prologue::None => self.k,
+            Prologue::SiluMul => 2 * self.k,
+        };
+        expect(op, "x", &self.x, self.m * xk, F32)?;
+        expect(op, "qweight", &self.qweight, self.n * kq / 8, U32)?;
+        expect(
+            op,
+            "scales",
+            &self.scales,
+            self.n * self.groups,
+            Some(DType::F16),
+        )?;
+        expect(
+            op,
+            "zeros",
+            &self.zeros,
+            self.n * self.groups.div_ceil(8),
+            U32,
+        )?;
+        expect(op, "y", &self.y, self.m * self.n, F32)
+    }
+}
+
 /// The token [`Sample`] gives when the logits were not finite: no token id can be this
 /// (vocab ids are below 2^24), and the embedding of a step fed with it is zeros (an id outside
 /// every rank's shard), so a step queued behind it runs harmlessly until the host reads it.
@@ -760,6 +834,52 @@ mod tests {
             ..bad_y
         };
         assert!(bad_w.validate().is_err());
+    }
+
+    #[test]
+    fn matmul_int4_checks_every_shape() {
+        let ok = MatmulInt4 {
+            x: v(256, DType::F32),
+            qweight: v(4 * 32, DType::U32),
+            scales: v(4 * 2, DType::F16),
+            zeros: v(4, DType::U32),
+            perm: None,
+            y: v(4, DType::F32),
+            m: 1,
+            k: 256,
+            n: 4,
+            group: 128,
+            groups: 2,
+            prologue: Prologue::None,
+        };
+        ok.validate().unwrap();
+        // A perm may cover more stored inputs than k (padded groups of a desc_act shard).
+        MatmulInt4 {
+            x: v(200, DType::F32),
+            k: 200,
+            perm: Some(v(256, DType::U32)),
+            ..ok
+        }
+        .validate()
+        .unwrap();
+        for bad in [
+            MatmulInt4 { group: 12, ..ok },
+            MatmulInt4 { k: 200, ..ok },
+            MatmulInt4 {
+                scales: v(8, DType::BF16),
+                ..ok
+            },
+            MatmulInt4 {
+                zeros: v(8, DType::U32),
+                ..ok
+            },
+            MatmulInt4 {
+                prologue: Prologue::SiluMul,
+                ..ok
+            },
+        ] {
+            assert!(bad.validate().is_err());
+        }
     }
 
     #[test]

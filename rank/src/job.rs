@@ -94,6 +94,39 @@ pub enum Task {
     Decode(DecodeSpec),
     /// `selftest`'s kernel checks, on a job of one rank.
     Selftest(SelftestSpec),
+    /// `bench gemv`: matrix–vector products alone, on each rank's device.
+    BenchGemv(GemvBenchSpec),
+}
+
+/// `bench gemv`: the products to time, in order, and how.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GemvBenchSpec {
+    pub rows: Vec<GemvRow>,
+    pub warmup: u32,
+    /// Timed calls per row (graph replays on GPUs); `None`: the rank's default (50 on a
+    /// GPU, 2 on the CPU).
+    pub iters: Option<u32>,
+}
+
+/// One product of `bench gemv`: `y[m, n] = f(x) · wᵀ` with `w` [n, k].
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GemvRow {
+    pub n: usize,
+    pub k: usize,
+    pub m: usize,
+    /// The SiluMul prologue (down_proj's silu(gate) · up).
+    pub silu: bool,
+    pub quant: GemvQuant,
+}
+
+/// The weights of a [`GemvRow`].
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub enum GemvQuant {
+    /// `Matmul` over weights of this dtype.
+    Dense(DType),
+    /// `MatmulInt4` over GPTQ int4 weights in groups of `group` inputs, their order shuffled
+    /// (`perm`) with `desc_act`.
+    Int4 { group: usize, desc_act: bool },
 }
 
 /// `selftest`: every GPU kernel against its CPU twin on the rank's device.
@@ -194,6 +227,18 @@ pub enum Report {
         /// Per-call time of the same allreduce replayed from a device graph (GPU backends,
         /// capturable algorithms), µs.
         graph_us: Option<f32>,
+    },
+    /// `bench gemv`: the device copy that gives the bandwidth ceiling, `bytes` read plus
+    /// written in `us` per copy.
+    CopyBandwidth { bytes: u64, us: f64 },
+    /// `bench gemv`: row `index` read `bytes` (weights, scales, zeros, perm) in `us` per call;
+    /// `graph`: timed as graph replays rotating through copies of the weights larger than
+    /// the device's cache (GPUs), else as plain calls.
+    GemvRow {
+        index: u32,
+        bytes: u64,
+        us: f64,
+        graph: bool,
     },
     /// Rank 0 has moved `done` of its shard's `total` weight bytes to its device.
     LoadProgress { done: u64, total: u64 },

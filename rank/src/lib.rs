@@ -7,6 +7,7 @@
 //! or parse command-line flags.
 
 pub mod bench;
+pub mod bench_gemv;
 pub mod collective;
 pub mod comm;
 pub mod decode;

@@ -216,6 +216,7 @@ fn run_task<D: Device>(
             crate::bench::run(ctx, conn, &mut comm, &*dev, b)
         }
         Task::Decode(d) => crate::decode::run(ctx, conn, dev, spec.backend, d, timeout, spin),
+        Task::BenchGemv(b) => crate::bench_gemv::run(ctx, conn, &*dev, b),
         Task::Selftest(_) => unreachable!("selftest opens its own devices"),
     }
 }

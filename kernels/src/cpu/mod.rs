@@ -131,6 +131,7 @@ impl Device for CpuDevice {
             Op::Add(a) => ops::elementwise::add(self, &a.a, &a.b, &a.out),
             Op::Matmul(a) => ops::decode::matmul(self, a),
             Op::AddNormMatmul(a) => ops::decode::add_norm_matmul(self, a),
+            Op::MatmulInt4(a) => ops::int4::matmul_int4(self, a),
             Op::ShardTopK(a) => ops::decode::shard_topk(a),
             Op::Sample(a) => ops::decode::sample(a),
         }

@@ -20,6 +20,7 @@ mod ops_attention;
 mod ops_decode;
 mod ops_delta;
 mod ops_gemv;
+mod ops_gemv_q4;
 mod ops_sample;
 pub mod probe;
 pub mod program;

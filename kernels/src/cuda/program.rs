@@ -26,7 +26,7 @@ const HEADERS: [(&str, &str); 2] = [
 ];
 
 /// The kernel sources, one per op family: (module name, source), in [`Module`] order.
-pub(crate) const SOURCES: [(&str, &str); 7] = [
+pub(crate) const SOURCES: [(&str, &str); 8] = [
     ("reduce", include_str!("../gpu/reduce.cu")),
     ("comm", include_str!("../gpu/comm.cu")),
     ("decode", include_str!("../gpu/decode.cu")),
@@ -34,6 +34,7 @@ pub(crate) const SOURCES: [(&str, &str); 7] = [
     ("attention", include_str!("../gpu/attention.cu")),
     ("sample", include_str!("../gpu/sample.cu")),
     ("delta", include_str!("../gpu/delta.cu")),
+    ("gemv_q4", include_str!("../gpu/gemv_q4.cu")),
 ];
 
 /// The modules, by their index in [`SOURCES`]: the first half of a typed kernel address
@@ -47,6 +48,7 @@ pub(crate) enum Module {
     Attention = 4,
     Sample = 5,
     Delta = 6,
+    GemvQ4 = 7,
 }
 
 /// Replaces each `#include "H"` of a known header with its text, once per header (the headers

@@ -197,6 +197,7 @@ pub(crate) fn cases(gpu: &CudaDevice, cpu: &CpuDevice, seed: u64) -> Result<Vec<
     let mut out = Vec::new();
     out.extend(super::ops_decode::selftest(gpu, cpu, seed)?);
     out.extend(super::ops_gemv::selftest(gpu, cpu, seed)?);
+    out.extend(super::ops_gemv_q4::selftest(gpu, cpu, seed)?);
     out.extend(super::ops_attention::selftest(gpu, cpu, seed)?);
     out.extend(super::ops_sample::selftest(gpu, cpu, seed)?);
     out.extend(super::ops_delta::selftest(gpu, cpu, seed)?);

@@ -32,6 +32,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use half::f16;
 use safetensors::Dtype;
 use serde_json::{Map, Value};
+use tprun_kernels::int4::Int4Host;
 
 use super::safetensors::{Checkpoint, Slice, TensorSource};
 use super::ModelError;
@@ -414,6 +415,29 @@ impl QuantLinear {
             }
         }
         w
+    }
+}
+
+impl QuantLinear {
+    /// The slice in the device layout of [`tprun_kernels::int4`], for
+    /// [`tprun_kernels::ops::MatmulInt4`]: transposed to N-major, with `desc_act`'s inputs
+    /// sorted by group through a `perm` (and ragged groups of a row-parallel `desc_act`
+    /// shard padded with zero weights). Its `dequantize()` equals this one's exactly.
+    pub fn to_int4(&self) -> Result<Int4Host, ModelError> {
+        let rel: Vec<u32> = self
+            .g_idx
+            .iter()
+            .map(|&g| g - self.groups.start as u32)
+            .collect();
+        Int4Host::from_gptq(
+            self.n.len(),
+            self.k.len(),
+            &self.qweight,
+            &self.zeros,
+            &self.scales,
+            &rel,
+        )
+        .map_err(|why| ModelError::Invalid(format!("gptq: {why}")))
     }
 }
 
@@ -1300,6 +1324,79 @@ mod tests {
                     if !act {
                         let gl = s.group_len(k);
                         assert_eq!(l.groups, kr.start / gl..kr.end.div_ceil(gl));
+                    }
+                }
+            }
+        }
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// Every slice a rank may read, converted to the int4 device layout, dequantises to the
+    /// same matrix, and the CPU twin of `MatmulInt4` over it equals x · wᵀ of
+    /// [`QuantLinear::dequantize`] (f64 reference): group sizes 32/64/128/−1, desc_act, column
+    /// and row shards, both zero conventions.
+    #[test]
+    fn int4_layout_matches_dequantize_through_the_cpu_twin() {
+        use tprun_kernels::cpu::CpuDevice;
+        use tprun_kernels::ops::{MatmulInt4, Prologue};
+        use tprun_kernels::{DType, Device, Op, View};
+        let dev = CpuDevice::new(0, 2, 10);
+        let (n, k) = (32, 256);
+        let w = matrix(n, k, 21);
+        let d = tmpdir("int4");
+        for group in [Some(32), Some(64), Some(128), None] {
+            for (act, format) in [(false, ZeroFormat::V1), (true, ZeroFormat::V2)] {
+                let mut o = opts(group, format);
+                o.act_order = act.then(|| (0..k).map(|r| r * 7 % k).collect());
+                let q = quantize(&w, n, k, &o).unwrap();
+                let ck = checkpoint(&d, &q, true);
+                let s = q.settings;
+                let mut parts = vec![(0..n, 0..k), (8..24, 0..k)];
+                parts.extend((0..2).map(|r| (0..n, k_shard(k, &s, 2, r).unwrap())));
+                for (nr, kr) in parts {
+                    let l =
+                        read_linear(&ck, &part(n, k, nr.clone(), kr.clone()), &s, format).unwrap();
+                    let h = l.to_int4().unwrap();
+                    let wd = l.dequantize();
+                    let what = format!("{group:?} act {act} n {nr:?} k {kr:?}");
+                    assert_eq!(h.dequantize(), wd, "{what}");
+                    let (nl, kl) = (nr.len(), kr.len());
+                    let x: Vec<f32> = matrix(1, kl, 5);
+                    let bytes = |v: Vec<u8>| {
+                        let b = dev.alloc(v.len().max(4)).unwrap();
+                        dev.write(&b, 0, &v).unwrap();
+                        b
+                    };
+                    let u32s = |v: &[u32]| bytes(v.iter().flat_map(|w| w.to_le_bytes()).collect());
+                    let bx = bytes(x.iter().flat_map(|v| v.to_le_bytes()).collect());
+                    let bq = u32s(&h.qweight);
+                    let bs = bytes(h.scales.iter().flat_map(|v| v.to_le_bytes()).collect());
+                    let bz = u32s(&h.zeros);
+                    let bp = h.perm.as_ref().map(|p| u32s(p));
+                    let by = dev.alloc(nl * 4).unwrap();
+                    dev.run(&Op::MatmulInt4(MatmulInt4 {
+                        x: View::new(&bx, 0, kl, DType::F32),
+                        qweight: View::new(&bq, 0, h.qweight.len(), DType::U32),
+                        scales: View::new(&bs, 0, h.scales.len(), DType::F16),
+                        zeros: View::new(&bz, 0, h.zeros.len(), DType::U32),
+                        perm: bp.as_ref().map(|b| View::new(b, 0, h.kq(), DType::U32)),
+                        y: View::new(&by, 0, nl, DType::F32),
+                        m: 1,
+                        k: kl,
+                        n: nl,
+                        group: h.group,
+                        groups: h.groups,
+                        prologue: Prologue::None,
+                    }))
+                    .unwrap();
+                    let mut yb = vec![0u8; nl * 4];
+                    dev.read(&by, 0, &mut yb).unwrap();
+                    for (row, c) in yb.chunks_exact(4).enumerate() {
+                        let got = f32::from_le_bytes(c.try_into().unwrap()) as f64;
+                        let want: f64 =
+                            (0..kl).map(|j| x[j] as f64 * wd[row * kl + j] as f64).sum();
+                        let err = (got - want).abs() / (1.0 + want.abs());
+                        assert!(err < 1e-5, "{what} row {row}: {got} vs {want}");
                     }
                 }
             }

@@ -11,6 +11,7 @@ pub(crate) mod decode;
 pub(crate) mod delta;
 pub(crate) mod elementwise;
 pub(crate) mod embedding;
+pub(crate) mod int4;
 pub(crate) mod matmul;
 pub(crate) mod norm;
 pub(crate) mod rope;

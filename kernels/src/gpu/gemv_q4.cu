@@ -1,0 +1,387 @@
+// gemv_q4.cu: MatmulInt4, y[m, n] = f(x)[m, k] · wᵀ over GPTQ int4 weights (kernels/src/ops.rs
+// `MatmulInt4`; layout kernels/src/int4.rs; CPU twin kernels/src/cpu/ops/int4.rs). x, y f32;
+// f32 accumulation; f the identity or silu(gate) · up (Prologue::SiluMul, x [m, 2k]), as in
+// gemv.cu.
+//
+// Owns: the int4 matrix–vector product of decode (m = 1) and a token-tiled product for
+// prefill. Must not: write anything but y (one launch, no scratch).
+//
+// Layout, and why N-major. The weights arrive as GPTQ's qweight [K/8, N] (8 nibbles along K
+// per u32). Kept that way, a 16-byte load would give 4 columns × 8 inputs, and a wave would
+// cover 128 columns × 8 inputs: every output would then be summed across the waves (and
+// blocks) that split K, through shared memory and, for N = 5120 (40 such column tiles, fewer
+// than the 132 SMs), a split-K across blocks with atomics or a second pass. Transposed to
+// N-major at load ([n, kq/8] u32, kernels/src/int4.rs), each output row is K/2 contiguous
+// bytes that one wave streams exactly as gemv.cu streams a bf16 row: lane l loads 16 bytes
+// (32 consecutive inputs, one group since groups are multiples of 32 on this path) at
+// l, l + TP_WAVE, ..., a wave-wide load is 512 contiguous bytes, the sum over K is a
+// butterfly inside the wave, and there is work for every SM whatever n (5120 rows / R = 8 is
+// 640 waves; 34816 / 4 is 8704). The price is that every wave reads all of x (32 f32 per 16
+// bytes of weights, 8× the weight bytes per row), through L1: each activation is reused for R
+// rows, which caps its share (below).
+//
+// Dequantising for the cost of one AND per weight. The sum over one group is
+// s · (Σ a_i q_i − z · Σ a_i): the zero is folded into a per-(chunk, token) Σ a shared by the
+// R rows, so each weight needs only q as a float. On CUDA a nibble masked in place, bits
+// q · 2^(4j) below 2^24, read as an f32 is q · 2^(4j) · 2^-149 exactly (a subnormal, or
+// exponent field 1, which continues the same scale), so `fmaf(a', __uint_as_float(w & mask),
+// acc_j)` is one AND and one FMA. The activations are pre-scaled by 2^64 (a' = a · 2^64, one
+// multiply per activation per wave, shared by R rows) so that the products a·q·2^(4j−85) are
+// normal for |a| between 2^−40 and 2^60; the fma rounds once, as a plain f32 FMA would. Four
+// accumulators, one per shift j (nibbles j and j + 4 of a word, the latter after one shift by
+// 16 per word), are brought back by exact powers of two. Subnormal FMA operands run at full
+// speed on NVIDIA GPUs (the kernels compile with --ftz=false). On HIP, whose f32 denormal
+// mode varies by target and flags, a nibble is OR-ed into the mantissa of 2^23 and 2^23 is
+// subtracted (exact; one FADD more per weight) and nothing is pre-scaled.
+//
+// Instruction budget (H200: 132 SMs · 4 issue/clock · 1.98 GHz; at 4.2 TB/s an SM must
+// consume 32 weights, one warp-instruction's worth, per clock, so 100 % of bandwidth allows
+// 4 warp-instructions per weight): AND + FMA + 1/8 shift per weight, plus per 32 · R
+// weights: 8 x loads, 32 pre-scales and 31 adds for Σ a per token (R = 4: ~0.6 per weight),
+// and per row and 32 weights a scale, a zero and the combine (~0.3): ~3 per weight, ~75 % of
+// issue at full bandwidth. With the prologue each activation also costs ~7 (exp, reciprocal,
+// two multiplies), hence R = 8 there (~3.3 per weight).
+//
+// Grid (kernels/src/cuda/ops_gemv_q4.rs): one wave per R rows, 4 waves per block (fewer while
+// that leaves under 2 blocks per SM), grid.y the token tiles of MT when m > 1. U chunks per
+// row, U · R = TP_Q4_LOADS (TP_Q4_LOADS_SILU) 16-byte loads, are in flight per lane before any
+// is used; the first U of a lane are issued before tp_pdl_wait() (weights, scales and zeros
+// are written by no kernel of the step), x only after it.
+//
+// Registers (ptxas -v, sm_90, NVRTC 13): gemv_q4 fits 128 (two 256-thread blocks per SM, 16
+// waves: gate|up has 66 waves per SM to run) with U · R = 8 loads in flight, no spills (16
+// loads needed 238); gemv_q4_silu takes 255 without spills, which is fine because down_proj
+// has only ~5 waves per SM (640 in all) and 8 fit; the prefill kernels take 255 (gemm_q4
+// spills 4 bytes).
+//
+// Other paths: a scalar path (one u32 word = 8 inputs per lane step, plain loads, any
+// group multiple of 8, any alignment) when kq or the group is not a multiple of 32 or a view
+// is not 16-byte aligned; desc_act (`perm` given) gathers each activation through perm
+// (perm loaded 16 bytes at a time), which costs one dependent load per activation: correct,
+// not tuned. Prefill (m > 1): R = 2 rows and MT = 8 tokens per wave, weights loaded once per
+// tile and dequantised per token; correctness first, as in gemv.cu.
+//
+// Expected: the bytes read are qweight (n · kq / 2) + scales (2 · n · groups) + zeros; for the
+// 27B shapes at group 128, [34816, 5120] is 89.1 + 2.9 MB and [5120, 17408] with the prologue
+// 44.6 + 1.5 MB. Target ≥ 75 % of the 4.2 TB/s copy ceiling (`tprun bench gemv --quant
+// int4`); not yet measured (written without a GPU, 2026-12-03). Its arithmetic and indexing
+// were checked on a CPU by scripts/emulate_gemv_q4.sh (both nibble readings, every path), and
+// on a GPU `tprun selftest` compares every path with the CPU twin.
+
+#include "portable.h"
+#include "elem.h"
+
+// The Rust side mirrors these (kernels/src/cuda/ops_gemv_q4.rs; a test compares them).
+#define TP_Q4_ROWS 4         // R without prologue (decode): output rows per wave
+#define TP_Q4_ROWS_SILU 8    // R with the SiluMul prologue (amortises exp and reciprocal)
+#define TP_Q4_ROWS_TILE 2    // R of the prefill kernels
+#define TP_Q4_TOKENS 8       // MT: tokens per tile when m > 1
+#define TP_Q4_LOADS 8        // U · R: weight loads in flight per lane (gemv_q4)
+#define TP_Q4_LOADS_SILU 16  // the same for gemv_q4_silu
+
+// kernels/src/cuda/ops_gemv_q4.rs `GemvQ4Params`, passed by value.
+struct GemvQ4Params {
+    u64 x;        // f32 [m, k], or [m, 2k] with the prologue
+    u64 qweight;  // u32 [n, kq / 8]
+    u64 scales;   // f16 [n, groups]
+    u64 zeros;    // u32 [n, ceil(groups / 8)], 4 bits per group
+    u64 perm;     // u32 [kq], or 0: stored input j is input j
+    u64 y;        // f32 [m, n]
+    u32 m, k, n, kq;
+    u32 group, groups;
+    u32 vec;      // 1: the 16-byte path (see Other paths)
+    u32 pad;
+};
+
+// The subnormal reading on CUDA (and in scripts/emulate_gemv_q4.sh's host build, which
+// checks it on a CPU); the 2^23 one elsewhere.
+#if defined(TP_CUDA) && !defined(TP_Q4_SUBNORMAL)
+#define TP_Q4_SUBNORMAL 1
+#endif
+#if defined(TP_Q4_SUBNORMAL)
+#define TP_Q4_XSCALE 0x1p64f  // a' = a · 2^64
+#define TP_Q4_DSCALE 0x1p85f  // Σ a q = acc_0 · 2^85 (acc_j · 2^(85 − 4j))
+// q · 2^(4j) · 2^-149, exactly: `bits` (a nibble masked in place, below 2^16) as an f32.
+TP_DEV float q4_nib(u32 bits) { return __uint_as_float(bits); }
+#else
+#define TP_Q4_XSCALE 1.0f
+#define TP_Q4_DSCALE 1.0f
+// q · 2^(4j), exactly: 2^23 + bits − 2^23.
+TP_DEV float q4_nib(u32 bits) { return __uint_as_float(bits | 0x4b000000u) - 8388608.0f; }
+#endif
+
+TP_DEV u32 q4_min(u32 a, u32 b) { return a < b ? a : b; }
+
+// WPL words (8 · WPL inputs) of one row: one 16-byte load that bypasses L1 (read once; L1 is
+// left to x, as in gemv.cu), or one plain word.
+template <int WPL>
+struct Q4Words {
+    u32 w[WPL];
+};
+
+template <int WPL>
+TP_DEV Q4Words<WPL> q4_ld(const u32* p) {
+    Q4Words<WPL> v;
+#if defined(TP_CUDA)
+    if constexpr (WPL == 4) {
+        asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+            : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3])
+            : "l"(p));
+        return v;
+    }
+#endif
+    if constexpr (WPL == 4) {
+        const V16 t = *(const V16*)p;
+#pragma unroll
+        for (int i = 0; i < WPL; ++i) v.w[i] = t.w[i];
+    } else {
+#pragma unroll
+        for (int i = 0; i < WPL; ++i) v.w[i] = p[i];
+    }
+    return v;
+}
+
+// The scale (f16 bits) as f32: the hardware conversion on CUDA (a NaN scale gives NaN
+// whatever its payload), portable.h's elsewhere.
+TP_DEV float q4_scale(u16 h) {
+#if defined(TP_CUDA)
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#else
+    return tp_f16_to_f32(h);
+#endif
+}
+
+// silu(g) · u as gemv.cu computes it (its comment gives the error of the fast intrinsics).
+TP_DEV float q4_silu_mul(float g, float u) { return __fdividef(g, 1.0f + __expf(-g)) * u; }
+
+// The E = 8 · WPL activations of stored inputs j0 .. j0 + E of one token, pre-scaled, and
+// their (unscaled) sum. `row`: the token's row of x.
+template <int WPL, bool SILU>
+TP_DEV float q4_act(const float* row, u32 k, const u32* perm, u32 j0, float (&a)[8 * WPL]) {
+    constexpr int E = 8 * WPL;
+    if (perm) {
+        // Four indices at a time (16-byte loads on the vector path), each gathered at once,
+        // so that only four are live.
+#pragma unroll
+        for (int q = 0; q < E / 4; ++q) {
+            u32 idx[4];
+            if (WPL == 4) {
+                const V16 v = *(const V16*)(perm + j0 + 4 * q);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) idx[i] = v.w[i];
+            } else {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) idx[i] = perm[j0 + 4 * q + i];
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                a[4 * q + i] = SILU ? q4_silu_mul(row[idx[i]], row[k + idx[i]]) : row[idx[i]];
+        }
+    } else if (WPL == 4) {
+#pragma unroll
+        for (int q = 0; q < E / 4; ++q) {
+            const V16 g = *(const V16*)(row + j0 + 4 * q);
+            if (SILU) {
+                const V16 u = *(const V16*)(row + k + j0 + 4 * q);
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    a[4 * q + i] = q4_silu_mul(tp_f32_from_bits(g.w[i]), tp_f32_from_bits(u.w[i]));
+            } else {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) a[4 * q + i] = tp_f32_from_bits(g.w[i]);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < E; ++e) a[e] = SILU ? q4_silu_mul(row[j0 + e], row[k + j0 + e]) : row[j0 + e];
+    }
+    float s = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        s += a[e];
+        a[e] *= TP_Q4_XSCALE;
+    }
+    return s;
+}
+
+// Σ_i a_i · q_i over one row's WPL words (input 8·i + j of the chunk is nibble j of word i).
+template <int WPL>
+TP_DEV float q4_dot(const Q4Words<WPL>& wv, const float (&a)[8 * WPL]) {
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < WPL; ++i) {
+        const u32 lo = wv.w[i], hi = wv.w[i] >> 16;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            acc[j] = fmaf(a[8 * i + j], q4_nib(lo & (0xfu << (4 * j))), acc[j]);
+            acc[j] = fmaf(a[8 * i + 4 + j], q4_nib(hi & (0xfu << (4 * j))), acc[j]);
+        }
+    }
+    // Exact powers of two bring each shift's accumulator to the scale of q.
+    float d = acc[3] * (TP_Q4_DSCALE * 0x1p-12f);
+    d = fmaf(acc[2], TP_Q4_DSCALE * 0x1p-8f, d);
+    d = fmaf(acc[1], TP_Q4_DSCALE * 0x1p-4f, d);
+    return fmaf(acc[0], TP_Q4_DSCALE, d);
+}
+
+// One row's scale and zero for group g.
+struct Q4Group {
+    u16 s;
+    u32 zw;  // the zeros word holding this group's nibble
+};
+
+// One row's scales [groups] and zeros words [ceil(groups / 8)].
+struct Q4Row {
+    const u32* w;
+    const u16* s;
+    const u32* z;
+};
+
+TP_DEV Q4Group q4_ld_group(const Q4Row& row, u32 g) {
+    Q4Group r;
+    r.s = row.s[g];
+    r.zw = row.z[g / 8];
+    return r;
+}
+
+// acc[r][t] += s · (Σ a q − z · Σ a) for chunk j0 (in group g) of every row and token.
+template <int WPL, int R, int MT, bool SILU>
+TP_DEV void q4_chunk(const GemvQ4Params& p, const Q4Words<WPL> (&wv)[R], const Q4Group (&gr)[R],
+                     const float* const (&xr)[MT], u32 j0, u32 g, float (&acc)[R][MT]) {
+    float s[R], z[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        s[r] = q4_scale(gr[r].s);
+        z[r] = (float)((gr[r].zw >> (4 * (g % 8))) & 0xfu);
+    }
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+        float a[8 * WPL];
+        const float sx = q4_act<WPL, SILU>(xr[t], p.k, (const u32*)p.perm, j0, a);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float d = q4_dot<WPL>(wv[r], a);
+            acc[r][t] = fmaf(s[r], fmaf(-z[r], sx, d), acc[r][t]);
+        }
+    }
+}
+
+// tp_pdl_wait() once per thread: `waited` says whether this thread has passed it.
+TP_DEV void q4_wait_once(bool& waited) {
+    if (!waited) {
+        tp_pdl_wait();
+        waited = true;
+    }
+}
+
+// This lane's chunks (8 · WPL stored inputs each) lane, lane + TP_WAVE, ... of every row of
+// the group, U at a time while all U exist, then one at a time.
+template <int WPL, int R, int MT, int U, bool SILU>
+TP_DEV void q4_rows(const GemvQ4Params& p, const Q4Row (&rows)[R], const float* const (&xr)[MT],
+                    u32 lane, float (&acc)[R][MT], bool& waited) {
+    constexpr u32 E = 8 * WPL;
+    const u32 chunks = p.kq / E;
+    u32 c = lane;
+    for (; c + (U - 1) * TP_WAVE < chunks; c += U * TP_WAVE) {
+        Q4Words<WPL> wv[U][R];
+        Q4Group gr[U][R];
+        u32 g[U];  // one division per chunk, shared by the R rows
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            g[u] = (c + u * TP_WAVE) * E / p.group;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                wv[u][r] = q4_ld<WPL>(rows[r].w + (c + u * TP_WAVE) * WPL);
+                gr[u][r] = q4_ld_group(rows[r], g[u]);
+            }
+        }
+        q4_wait_once(waited);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            q4_chunk<WPL, R, MT, SILU>(p, wv[u], gr[u], xr, (c + u * TP_WAVE) * E, g[u], acc);
+    }
+    q4_wait_once(waited);
+    for (; c < chunks; c += TP_WAVE) {
+        Q4Words<WPL> wv[R];
+        Q4Group gr[R];
+        const u32 g = c * E / p.group;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            wv[r] = q4_ld<WPL>(rows[r].w + c * WPL);
+            gr[r] = q4_ld_group(rows[r], g);
+        }
+        q4_chunk<WPL, R, MT, SILU>(p, wv, gr, xr, c * E, g, acc);
+    }
+}
+
+template <int R, int MT, int U, bool SILU>
+TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
+    static_assert(R * MT <= TP_WAVE, "one writing lane per (row, token)");
+    const u32 lane = threadIdx.x % TP_WAVE;
+    const u32 waves = blockDim.x / TP_WAVE;
+    const u32 rgroups = (p.n + R - 1) / R;
+    const u32 tiles = (p.m + MT - 1) / MT;
+    const u64 xk = SILU ? 2ull * p.k : (u64)p.k;
+    const float* x = (const float*)p.x;
+    const u32* w = (const u32*)p.qweight;
+    const u64 zw = (p.groups + 7) / 8;
+    float* y = (float*)p.y;
+    // A thread with no rows to compute exits without waiting: it reads and writes nothing.
+    bool waited = false;
+    for (u32 tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
+        const u32 t0 = tile * MT;
+        // Tokens past m repeat the last one: computed, never written.
+        const float* xr[MT];
+#pragma unroll
+        for (int t = 0; t < MT; ++t) xr[t] = x + (u64)q4_min(t0 + t, p.m - 1) * xk;
+        // rg is the same in every lane of a wave, so whole waves take the loops and shuffles.
+        for (u32 rg = blockIdx.x * waves + threadIdx.x / TP_WAVE; rg < rgroups;
+             rg += gridDim.x * waves) {
+            // Rows past n repeat the last one, likewise.
+            Q4Row rows[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const u64 row = q4_min(rg * R + r, p.n - 1);
+                rows[r].w = w + row * (p.kq / 8);
+                rows[r].s = (const u16*)p.scales + row * p.groups;
+                rows[r].z = (const u32*)p.zeros + row * zw;
+            }
+            float acc[R][MT];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+#pragma unroll
+                for (int t = 0; t < MT; ++t) acc[r][t] = 0.0f;
+            }
+            if (p.vec) {
+                q4_rows<4, R, MT, U, SILU>(p, rows, xr, lane, acc, waited);
+            } else {
+                q4_rows<1, R, MT, 1, SILU>(p, rows, xr, lane, acc, waited);
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+#pragma unroll
+                for (int t = 0; t < MT; ++t) {
+                    // Σ a was unscaled per chunk; the dot's scale is undone there too.
+                    const float s = tp_wave_sum(acc[r][t]);
+                    const u32 row = rg * R + r, tok = t0 + t;
+                    if (lane == (u32)(r * MT + t) && row < p.n && tok < p.m)
+                        y[(u64)tok * p.n + row] = s;
+                }
+            }
+        }
+    }
+}
+
+// Kernel names, in the order of kernels/src/cuda/ops_gemv_q4.rs NAMES.
+// MINB: blocks of 256 threads per SM the registers must allow (see Registers).
+#define TP_GEMV_Q4_KERNEL(name, R, MT, U, SILU, MINB)                               \
+    extern "C" __global__ void TP_LAUNCH_BOUNDS(256, MINB) name(const GemvQ4Params p) { \
+        gemv_q4_body<R, MT, U, SILU>(p); /* waits for the kernel before once its loads are out */ \
+    }
+
+TP_GEMV_Q4_KERNEL(gemv_q4, TP_Q4_ROWS, 1, TP_Q4_LOADS / TP_Q4_ROWS, false, 2)
+TP_GEMV_Q4_KERNEL(gemv_q4_silu, TP_Q4_ROWS_SILU, 1, TP_Q4_LOADS_SILU / TP_Q4_ROWS_SILU, true, 1)
+TP_GEMV_Q4_KERNEL(gemm_q4, TP_Q4_ROWS_TILE, TP_Q4_TOKENS, 1, false, 1)
+TP_GEMV_Q4_KERNEL(gemm_q4_silu, TP_Q4_ROWS_TILE, TP_Q4_TOKENS, 1, true, 1)

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Checks gemv_q4.cu's arithmetic and indexing on a CPU (no GPU, no CUDA): builds its kernels
+# with g++ against a host stand-in for portable.h (scripts/emu/), runs them one 32-thread wave
+# at a time over random int4 layers and compares with an f64 reference. Needs g++ 12+
+# (_Float16, std::barrier). A few seconds.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+cp "$root/scripts/emu/portable.h" "$root/scripts/emu/elem.h" "$root/scripts/emu/emulate_gemv_q4.cpp" "$tmp/"
+cp "$root/kernels/src/gpu/gemv_q4.cu" "$tmp/"
+for variant in subnormal magic; do
+    flags=""
+    [ "$variant" = magic ] && flags="-DEMU_MAGIC"
+    echo "== nibbles read as on $([ "$variant" = magic ] && echo HIP || echo CUDA) ($variant)"
+    g++ -std=c++20 -O1 -pthread -Wall -Wno-unused-function -Wno-unknown-pragmas $flags \
+        -o "$tmp/emu" "$tmp/emulate_gemv_q4.cpp"
+    "$tmp/emu" | grep -v '^ok'
+done
