@@ -5,7 +5,14 @@
 #       (rank/tests/fixtures/qwen35-tiny*, written by scripts/ref_qwen35.py) through the
 #       binary at --ranks 1 and --ranks 4 (MPS on one GPU), graph and eager: the greedy tokens
 #       of reference.json exactly and every step's logits within 1e-4 of the largest logit
-#       (1e-3 for the GPTQ twin). BACKEND defaults to cuda (cpu runs it here).
+#       (1e-3 for the GPTQ twin, with TPRUN_QWEN35_GPTQ=1). BACKEND defaults to cuda (cpu
+#       runs it here).
+#   scripts/device/qwen35.sh perf BIN              speed: synth qwen3_5 27b with its MLP in
+#       GPTQ int4 (the official layout, group 128), TP=1, batch 1, 128 new tokens after a
+#       short prompt: tok/s and the weight bandwidth against the device copy bandwidth of the
+#       same call; then TP=4 on one GPU (MPS) with and without its allreduces.
+#   scripts/device/qwen35.sh all BIN               check, then perf (DEADLINE=epoch seconds
+#       skips what no longer fits)
 #
 # The fixtures have no tokenizer: a word-level one ("t0" .. "t255", one word per id) is
 # written beside a copy, so the prompt ids go in as text and nothing is lost in between.
@@ -22,7 +29,7 @@ if [ "$backend" = cuda ]; then
     . "$root/scripts/device/common.sh"
     export TPRUN_KERNEL_CACHE="${TPRUN_KERNEL_CACHE:-/tmp/tprun-kernel-cache}"
     tprun_nvrtc_link
-    tprun_devices 4
+    tprun_devices 4 > /dev/null
 else
     devices=""
 fi
@@ -71,12 +78,64 @@ PY
     done
 }
 
+room() { [ -z "${DEADLINE:-}" ] || [ $(( DEADLINE - $(date +%s) )) -ge "$1" ] || { echo "SKIPPED (time): $2"; return 1; }; }
+
+perf() {
+    local m=/tmp/tprun-q35-27b j="$work/q35"
+    room 200 "27b synth and decode" || return 0
+    echo "== synth qwen3_5 27b, MLP GPTQ int4 (group 128), the rest bf16"
+    local t0; t0=$(date +%s)
+    "$bin" synth --arch qwen3_5 --preset 27b --quant gptq-int4 --group-size 128 --dtype bf16 --out "$m" > /dev/null 2> "$work/synth.err" \
+        || { fail "synth"; tail -3 "$work/synth.err"; return 0; }
+    echo "synth took $(( $(date +%s) - t0 )) s; $(du -sh "$m" | cut -f1)"
+    python3 - <<'PY' | tee "$out/copy.txt"
+import torch
+x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
+for _ in range(3): y.copy_(x)
+s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+torch.cuda.synchronize(); s.record()
+for _ in range(10): y.copy_(x)
+e.record(); torch.cuda.synchronize(); t = s.elapsed_time(e) / 10 / 1e3
+print(f"device copy 1 GiB: {2 * (1 << 30) / t / 1e12:.2f} TB/s (read + write)")
+PY
+    for ranks in 1 4; do
+        room 60 "27b TP=$ranks" || return 0
+        local dev=(--devices 0) tag="q35-27b-tp$ranks"
+        [ "$ranks" -eq 4 ] && dev=(--devices "$devices")
+        for ar in on off; do
+            [ "$ranks" -eq 1 ] && [ "$ar" = off ] && continue
+            local env=(); [ "$ar" = off ] && env=(TPRUN_BENCH_NO_ALLREDUCE=1)
+            env "${env[@]}" "$bin" --backend cuda --ranks "$ranks" "${dev[@]}" --timeout 120 decode --model "$m" \
+                --prompt "Once upon a time, in a land far away" --temperature 0 --max-new-tokens 128 --ignore-eos --json \
+                > "$work/$tag-$ar.json" 2> "$work/$tag.err" || { fail "$tag $ar"; tail -3 "$work/$tag.err"; continue; }
+            python3 - "$work/$tag-$ar.json" "$out/copy.txt" "$tag" "$ar" <<'PY'
+import json, re, sys
+j = json.load(open(sys.argv[1]))
+copy = float(re.search(r"([0-9.]+) TB/s", open(sys.argv[2]).read()).group(1))
+gbs = j["weight_gb_per_s"]
+note = "" if sys.argv[4] == "on" else " (allreduces off: timing only)"
+print(f"{sys.argv[3]}{note}: {j['decode_tokens_per_s']:.1f} tok/s, p50 {j['token_latency_p50_ms']:.3f} ms, "
+      f"{j['step_weight_bytes_rank0'] / 1e9:.1f} GB read/token (rank 0), {gbs:.0f} GB/s of weights = "
+      f"{gbs / (copy * 1e3) * 100:.0f} % of the copy rate, graph {j['graph']}, {j['kernel_launches_per_token']} launches/token, "
+      f"load {j['load_s']:.1f} s, device {j['device_bytes_per_rank'] / 1e9:.1f} GB/rank")
+PY
+        done
+    done
+    rm -rf "$m"
+}
+
 case "$mode" in
     check)
         fixture qwen35-tiny 1e-4
         if [ -n "${TPRUN_QWEN35_GPTQ:-}" ]; then fixture qwen35-tiny-gptq 1e-3; fi
         ;;
-    *) echo "usage: $0 check BIN [BACKEND]"; exit 2 ;;
+    perf) perf ;;
+    all)
+        fixture qwen35-tiny 1e-4
+        if [ -n "${TPRUN_QWEN35_GPTQ:-}" ]; then fixture qwen35-tiny-gptq 1e-3; fi
+        perf
+        ;;
+    *) echo "usage: $0 check|perf|all BIN [BACKEND]"; exit 2 ;;
 esac
 [ $status -eq 0 ] && echo "qwen35.sh $mode: PASS" || echo "qwen35.sh $mode: FAILED"
 exit $status
