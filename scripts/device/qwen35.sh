@@ -25,15 +25,18 @@ out="${OUT:-$root/out}"
 mkdir -p "$out"
 status=0
 fail() { echo "FAILED: $*"; status=1; }
+work="$(mktemp -d)"
 if [ "$backend" = cuda ]; then
     . "$root/scripts/device/common.sh"
     export TPRUN_KERNEL_CACHE="${TPRUN_KERNEL_CACHE:-/tmp/tprun-kernel-cache}"
     tprun_nvrtc_link
-    tprun_devices 4 > /dev/null
+    tprun_devices 4
+    # tprun_devices' EXIT trap stops the MPS daemon it started; remove the scratch too.
+    trap 'rm -rf "$work"; [ -z "${CUDA_MPS_PIPE_DIRECTORY:-}" ] || { echo quit | nvidia-cuda-mps-control; echo "MPS daemon stopped"; }' EXIT
 else
     devices=""
+    trap 'rm -rf "$work"' EXIT
 fi
-work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT
 
 fixture() {  # NAME TOLERANCE
     local name=$1 tol=$2 dir="$work/$1"
