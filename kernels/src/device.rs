@@ -149,9 +149,6 @@ impl<'a, B> View<'a, B> {
 
 /// The ops a backend runs, each with its validated argument struct ([`crate::ops`]). Outputs
 /// may not overlap inputs unless the op says so.
-// QkvAttention holds two argument structs; an Op is built on the stack for one `run` and never
-// stored in bulk, so its size does not matter (boxing would allocate per op instead).
-#[allow(clippy::large_enum_variant)]
 pub enum Op<'a, B> {
     Copy(ops::Copy<'a, B>),
     ReduceSum(ops::ReduceSum<'a, B>),

@@ -599,8 +599,7 @@ fn qkv_cases(seed: u64) -> Vec<QkvAttnCase> {
     // kernel, head_dim 256, a quarter rotated) at the cache's last row; a group of 16 (two
     // head chunks: qkv_rope + attention, unfused); a position past the cache (nothing stored,
     // the clamped last row read); a long sequence of several parts.
-    type Shape = (usize, usize, usize, usize, usize, u32, Option<DType>);
-    let shapes: [Shape; 6] = [
+    let shapes: [(usize, usize, usize, usize, usize, u32, Option<DType>); 6] = [
         (32, 8, 128, 128, 512, 300, None),
         (16, 8, 128, 128, 64, 0, Some(DType::BF16)),
         (6, 1, 256, 64, 64, 63, Some(DType::F32)),
