@@ -410,44 +410,6 @@ pub struct Attention<'a, B> {
     pub workspace: Option<View<'a, B>>,
 }
 
-/// [`QkvRope`] then [`Attention`] as one op, for the single-token step: backends may fuse
-/// them (the GPU's split attention kernel normalises and rotates its queries as it loads
-/// them, and the block whose part holds the position stores that row's k and v first), which
-/// saves a launch per layer. Both halves are validated as themselves; they must describe the
-/// same step: one row, the same caches, positions and head counts, `attn.q` = `rope.q`,
-/// and a workspace. `rope.q` is scratch afterwards (the fused GPU kernel never writes it).
-pub struct QkvAttention<'a, B> {
-    pub rope: QkvRope<'a, B>,
-    pub attn: Attention<'a, B>,
-}
-
-impl<B> QkvAttention<'_, B> {
-    pub fn validate(&self) -> Result<()> {
-        let (r, a) = (&self.rope, &self.attn);
-        r.validate()?;
-        a.validate()?;
-        let same = |x: &View<'_, B>, y: &View<'_, B>| {
-            std::ptr::eq(x.buf, y.buf) && x.offset == y.offset && x.len == y.len
-        };
-        let agree = r.rows == 1
-            && a.rows == 1
-            && a.workspace.is_some()
-            && (r.heads, r.kv_heads, r.head_dim) == (a.heads, a.kv_heads, a.head_dim)
-            && same(&r.k_cache, &a.k_cache)
-            && same(&r.v_cache, &a.v_cache)
-            && same(&r.pos, &a.pos)
-            && same(&r.q, &a.q);
-        if !agree {
-            return Err(bad(
-                "qkv_attention",
-                "its qkv_rope and attention halves must describe one single-row step over \
-                 the same caches, positions and queries, with a workspace",
-            ));
-        }
-        Ok(())
-    }
-}
-
 /// Cache positions one split of the GPU attention covers (flash-decoding): a 4096-token cache
 /// is 16 splits, each block reading 256 keys and values of one head.
 pub const ATTN_SPLIT: usize = 256;

@@ -123,10 +123,6 @@ impl Device for CpuDevice {
             Op::Rope(a) => ops::decode::rope(self, a),
             Op::QkvRope(a) => ops::decode::qkv_rope(self, a),
             Op::Attention(a) => ops::decode::attention(self, a),
-            Op::QkvAttention(a) => {
-                ops::decode::qkv_rope(self, &a.rope)?;
-                ops::decode::attention(self, &a.attn)
-            }
             Op::GatedDelta(a) => ops::delta::gated_delta(a),
             Op::CausalConv(a) => ops::delta::causal_conv(a),
             Op::GatedRmsNorm(a) => ops::delta::gated_rms_norm(a),

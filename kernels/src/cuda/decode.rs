@@ -17,7 +17,7 @@ impl Launcher<'_> {
         match op {
             Op::Matmul(_) | Op::AddNormMatmul(_) => ops_gemv::launch(self, op),
             Op::MatmulInt4(_) => ops_gemv_q4::launch(self, op),
-            Op::Attention(_) | Op::QkvAttention(_) => ops_attention::launch(self, op),
+            Op::Attention(_) => ops_attention::launch(self, op),
             Op::ShardTopK(_) | Op::Sample(_) => ops_sample::launch(self, op),
             Op::CausalConv(_) | Op::GatedDelta(_) | Op::GatedRmsNorm(_) => {
                 ops_delta::launch(self, op)

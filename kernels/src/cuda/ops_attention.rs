@@ -52,22 +52,8 @@ pub(crate) const NAMES: &[&str] = &[
     "attn_single_g8_f16",
     "attn_single_g8_bf16",
     "attn_merge",
-    "attn_qkv_g1_f32",
-    "attn_qkv_g1_f16",
-    "attn_qkv_g1_bf16",
-    "attn_qkv_g2_f32",
-    "attn_qkv_g2_f16",
-    "attn_qkv_g2_bf16",
-    "attn_qkv_g4_f32",
-    "attn_qkv_g4_f16",
-    "attn_qkv_g4_bf16",
-    "attn_qkv_g8_f32",
-    "attn_qkv_g8_f16",
-    "attn_qkv_g8_bf16",
 ];
 const MERGE: usize = 24;
-/// The fused split kernels (QkvAttention): `QKV + log2 G · 3 + dtype`.
-const QKV: usize = 25;
 
 /// attention.cu TP_ATTN_THREADS.
 const THREADS: u32 = 256;
@@ -100,18 +86,8 @@ struct AttnParams {
     chunks: u32,
     vec: u32,
     scale: f32,
-    qkv: u64,
-    inv_freq: u64,
-    q_norm: u64,
-    k_norm: u64,
-    rhalf: u32,
-    norm: u32,
-    qn_dtype: u32,
-    kn_dtype: u32,
-    eps: f32,
-    pad: u32,
 }
-const _: () = assert!(std::mem::size_of::<AttnParams>() == 144);
+const _: () = assert!(std::mem::size_of::<AttnParams>() == 88);
 
 fn dtype_index(d: DType) -> usize {
     match d {
@@ -146,33 +122,14 @@ fn addr(v: &View<'_, CudaBuf>, what: &str) -> Result<u64> {
     Ok(a)
 }
 
-/// Queues one op of this family: `Attention`, or `QkvAttention` as one fused split kernel
-/// where its query heads fit one block per KV head (group ≤ 8), else as decode.cu's qkv_rope
-/// followed by the attention.
+/// Queues one op of this family.
 pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
-    match op {
-        Op::Attention(a) => attention(l, a, None),
-        Op::QkvAttention(qa) if qa.attn.heads / qa.attn.kv_heads <= GMAX => {
-            attention(l, &qa.attn, Some(&qa.rope))
-        }
-        Op::QkvAttention(qa) => {
-            super::ops_decode::qkv_rope(l, &qa.rope)?;
-            attention(l, &qa.attn, None)
-        }
-        _ => Err(KernelError::Invalid(format!(
+    let Op::Attention(a) = op else {
+        return Err(KernelError::Invalid(format!(
             "attention.cu has no kernel for '{}'",
             op.name()
-        ))),
-    }
-}
-
-/// The launches of `a`; with `fused`, its q|k|v epilogue done by the split kernel
-/// (attn_qkv_*; `a` has a workspace and one row, as QkvAttention::validate checked).
-fn attention(
-    l: &Launcher<'_>,
-    a: &ops::Attention<'_, CudaBuf>,
-    fused: Option<&ops::QkvRope<'_, CudaBuf>>,
-) -> Result<()> {
+        )));
+    };
     let (d, cap) = (a.head_dim, a.cap());
     if d > DMAX {
         return Err(KernelError::Unavailable {
@@ -223,42 +180,16 @@ fn attention(
             k.is_multiple_of(16) && v.is_multiple_of(16) && (d * esize).is_multiple_of(16),
         ),
         scale: a.scale,
-        qkv: 0,
-        inv_freq: 0,
-        q_norm: 0,
-        k_norm: 0,
-        rhalf: 0,
-        norm: 0,
-        qn_dtype: 0,
-        kn_dtype: 0,
-        eps: 0.0,
-        pad: 0,
     };
-    if let Some(r) = fused {
-        let norm = |v: &Option<View<'_, CudaBuf>>, what| -> Result<(u64, u32)> {
-            match v {
-                Some(v) => Ok((addr(v, what)?, dtype_index(v.dtype) as u32)),
-                None => Ok((0, 0)),
-            }
-        };
-        (p.q_norm, p.qn_dtype) = norm(&r.q_norm, "q_norm")?;
-        (p.k_norm, p.kn_dtype) = norm(&r.k_norm, "k_norm")?;
-        p.qkv = addr(&r.qkv, "qkv")?;
-        p.inv_freq = addr(&r.inv_freq, "inv_freq")?;
-        p.rhalf = (r.rotary_dim / 2) as u32;
-        p.norm = u32::from(r.q_norm.is_some());
-        p.eps = r.eps;
-    }
     let x = (a.kv_heads * chunks) as u32;
     match &a.workspace {
         Some(ws) => {
             let need = ops::Attention::<CudaBuf>::workspace_len(a.rows, a.heads, d, cap);
             p.ws = addr(&ws.slice(0, need), "workspace")?;
-            let index = match fused {
-                Some(_) => QKV + kernel_index(false, group, a.k_cache.dtype),
-                None => kernel_index(false, group, a.k_cache.dtype),
-            };
-            let split = l.kernels.func(Module::Attention, index);
+            let split = l.kernels.func(
+                Module::Attention,
+                kernel_index(false, group, a.k_cache.dtype),
+            );
             // SAFETY: AttnParams is the parameter of every attention.cu kernel; every address
             // was bounds-checked above (the workspace for the rows · heads · parts partials
             // the kernels write) and stays valid while the stream runs (the caller keeps its
@@ -485,156 +416,13 @@ fn cases(seed: u64) -> Vec<AttnCase> {
     out
 }
 
-/// One QkvAttention twin case: a raw q|k|v row, random caches (compared in full, so the
-/// stored row and nothing else must change), the scratch q poisoned and not compared (the
-/// fused kernel never writes it), the output and workspace poisoned.
-struct QkvAttnCase {
-    dtype: DType,
-    heads: usize,
-    kv_heads: usize,
-    d: usize,
-    rotary: usize,
-    cap: usize,
-    pos: u32,
-    /// Norm weights' dtype (Qwen3, Qwen3.5), or none.
-    norm: Option<DType>,
-    seed: u64,
-}
-
-impl TwinCase for QkvAttnCase {
-    fn name(&self) -> String {
-        format!(
-            "qkv_rope+attention {} heads {}/{} d {} rotary {} cap {} pos {}{}",
-            self.dtype,
-            self.heads,
-            self.kv_heads,
-            self.d,
-            self.rotary,
-            self.cap,
-            self.pos,
-            self.norm.map_or(String::new(), |n| format!(" norm {n}"))
-        )
-    }
-
-    fn shape(&self) -> (DType, usize) {
-        (self.dtype, self.heads * self.d)
-    }
-
-    /// qkv, q (scratch), k_cache, v_cache, pos, inv_freq, out, workspace, [q_norm, k_norm].
-    fn bufs(&self) -> Vec<Buf> {
-        let mut rng = super::selftest::Rng::new(self.seed);
-        let (h, kvh, d) = (self.heads, self.kv_heads, self.d);
-        let cache = self.cap * kvh * d;
-        let ws = ops::Attention::<()>::workspace_len(1, h, d, self.cap);
-        let freqs: Vec<f32> = (0..self.rotary / 2)
-            .map(|i| 1e6f64.powf(-2.0 * i as f64 / self.rotary as f64) as f32)
-            .collect();
-        let mut out = vec![
-            Buf::input(DType::F32, rng.bytes(DType::F32, (h + 2 * kvh) * d, -3..=0)),
-            Buf::input(DType::F32, encode(DType::F32, &vec![f32::NAN; h * d])),
-            Buf::partial(self.dtype, rng.bytes(self.dtype, cache, -3..=0)),
-            Buf::partial(self.dtype, rng.bytes(self.dtype, cache, -4..=1)),
-            Buf::input(DType::U32, encode_u32(&[self.pos])),
-            Buf::input(DType::F32, encode(DType::F32, &freqs)),
-            Buf::output(DType::F32, h * d),
-            Buf::input(DType::F32, encode(DType::F32, &vec![f32::NAN; ws])),
-        ];
-        if let Some(nd) = self.norm {
-            out.push(Buf::input(nd, rng.bytes(nd, d, -1..=0)));
-            out.push(Buf::input(nd, rng.bytes(nd, d, -1..=0)));
-        }
-        out
-    }
-
-    fn op<'a, B>(&self, v: &'a [View<'a, B>]) -> Op<'a, B> {
-        let (h, kvh, d) = (self.heads, self.kv_heads, self.d);
-        Op::QkvAttention(ops::QkvAttention {
-            rope: ops::QkvRope {
-                qkv: v[0],
-                q: v[1],
-                k_cache: v[2],
-                v_cache: v[3],
-                pos: v[4],
-                inv_freq: v[5],
-                q_norm: v.get(8).copied(),
-                k_norm: v.get(9).copied(),
-                eps: 1e-6,
-                rows: 1,
-                heads: h,
-                kv_heads: kvh,
-                head_dim: d,
-                rotary_dim: self.rotary,
-            },
-            attn: ops::Attention {
-                q: v[1],
-                k_cache: v[2],
-                v_cache: v[3],
-                out: v[6],
-                pos: v[4],
-                rows: 1,
-                heads: h,
-                kv_heads: kvh,
-                head_dim: d,
-                scale: 1.0 / (d as f32).sqrt(),
-                workspace: Some(v[7]),
-            },
-        })
-    }
-
-    /// The attention's 1e-4 (see AttnCase), and the stored k row rounded to the cache dtype
-    /// from values that differ by a few ulp (qkv_rope's twin tolerances: half an ulp of the
-    /// cache dtype either way).
-    fn tol(&self) -> Tol {
-        match self.dtype {
-            DType::F16 => Tol::Rel(1.0 / 1024.0),
-            DType::BF16 => Tol::Rel(1.0 / 128.0),
-            _ => Tol::Rel(1e-4),
-        }
-    }
-}
-
-fn qkv_cases(seed: u64) -> Vec<QkvAttnCase> {
-    // (heads, kv_heads, d, rotary, cap, pos, norm): an 8B model's shard well into its cache;
-    // Qwen3 (q/k norms) at the first position; Qwen3.5 (6 heads per KV head: the 8-head
-    // kernel, head_dim 256, a quarter rotated) at the cache's last row; a group of 16 (two
-    // head chunks: qkv_rope + attention, unfused); a position past the cache (nothing stored,
-    // the clamped last row read); a long sequence of several parts.
-    let shapes: [(usize, usize, usize, usize, usize, u32, Option<DType>); 6] = [
-        (32, 8, 128, 128, 512, 300, None),
-        (16, 8, 128, 128, 64, 0, Some(DType::BF16)),
-        (6, 1, 256, 64, 64, 63, Some(DType::F32)),
-        (16, 1, 64, 64, 32, 17, None),
-        (4, 2, 32, 32, 16, 20, Some(DType::F16)),
-        (8, 2, 64, 32, 4096, 3000, None),
-    ];
-    let mut out = Vec::new();
-    for (i, dtype) in DType::ALL.into_iter().enumerate() {
-        for (j, &(heads, kv_heads, d, rotary, cap, pos, norm)) in shapes.iter().enumerate() {
-            out.push(QkvAttnCase {
-                dtype,
-                heads,
-                kv_heads,
-                d,
-                rotary,
-                cap,
-                pos,
-                norm,
-                seed: seed ^ (((i * 16 + j) as u64) << 32),
-            });
-        }
-    }
-    out
-}
-
 /// This family's twin cases (see `twin`).
 pub(crate) fn selftest(
     gpu: &CudaDevice,
     cpu: &CpuDevice,
     seed: u64,
 ) -> Result<Vec<SelftestResult>> {
-    let attn = cases(seed).into_iter().map(|c| twin::run(gpu, cpu, &c));
-    let fused = qkv_cases(seed).into_iter().map(|c| twin::run(gpu, cpu, &c));
-    attn.chain(fused).collect()
+    cases(seed).iter().map(|c| twin::run(gpu, cpu, c)).collect()
 }
 
 #[cfg(test)]
@@ -668,11 +456,7 @@ pub(super) mod tests {
             "attn_single_g8_bf16"
         );
         assert_eq!(NAMES[MERGE], "attn_merge");
-        assert_eq!(
-            NAMES[QKV + kernel_index(false, 6, DType::BF16)],
-            "attn_qkv_g8_bf16"
-        );
-        assert_eq!(NAMES.len(), QKV + 12);
+        assert_eq!(NAMES.len(), MERGE + 1);
     }
 
     #[test]
@@ -684,18 +468,6 @@ pub(super) mod tests {
         assert_eq!(def("TP_ATTN_MERGE_THREADS"), MERGE_THREADS.to_string());
         assert_eq!(def("TP_ATTN_DMAX"), DMAX.to_string());
         assert_eq!(def("TP_ATTN_GMAX"), GMAX.to_string());
-    }
-
-    /// Every fused case is valid and runs on the CPU twin (no GPU needed).
-    #[test]
-    fn qkv_cases_run_on_the_cpu() {
-        let cpu = CpuDevice::new(0, 2, 0);
-        for c in qkv_cases(5) {
-            let bufs = crate::cuda::twin::run_alone(&cpu, &c)
-                .unwrap_or_else(|e| panic!("{}: {e}", c.name()));
-            let out = crate::dtype::decode(DType::F32, &bufs[6]);
-            assert!(out.iter().all(|x| x.is_finite()), "{}", c.name());
-        }
     }
 
     /// Every case is valid and runs on the CPU twin (no GPU needed).

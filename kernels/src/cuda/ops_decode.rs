@@ -403,7 +403,7 @@ fn rope(l: &Launcher<'_>, a: &ops::Rope<'_, CudaBuf>) -> Result<()> {
     unsafe { go(l, ROPE, grid, pair_threads(half), &mut p) }
 }
 
-pub(crate) fn qkv_rope(l: &Launcher<'_>, a: &ops::QkvRope<'_, CudaBuf>) -> Result<()> {
+fn qkv_rope(l: &Launcher<'_>, a: &ops::QkvRope<'_, CudaBuf>) -> Result<()> {
     let norm_addr = |v: &Option<View<'_, CudaBuf>>| -> Result<(u64, u32)> {
         match v {
             Some(v) => Ok((addr(v)?, dtype_index(v.dtype)? as u32)),

@@ -49,7 +49,7 @@
 // Threads of attn_merge: one per output element (head_dim <= TP_ATTN_DMAX).
 #define TP_ATTN_MERGE_THREADS 256
 
-// Arguments of every kernel here, by value. 10 * 8 + 16 * 4 = 144 bytes.
+// Arguments of every kernel here, by value. 6 * 8 + 10 * 4 = 88 bytes.
 struct AttnParams {
     u64 q;         // [rows, heads, head_dim] f32
     u64 k;         // [cap, kv_heads, head_dim] KV dtype
@@ -67,17 +67,6 @@ struct AttnParams {
     u32 chunks;    // ceil(group / TP_ATTN_GMAX): blocks per KV head along grid x
     u32 vec;       // 1 when K and V rows allow 16-byte loads (addresses and head_dim * size)
     float scale;   // score = (q . k) * scale
-    // QkvAttention (attn_qkv_*): the q|k|v epilogue of decode.cu's qkv_rope done here.
-    u64 qkv;       // [1, (heads + 2 * kv_heads) * head_dim] f32: the row's raw q, k, v heads
-    u64 inv_freq;  // [rhalf] f32
-    u64 q_norm;    // [head_dim] (qn_dtype) when norm, else 0
-    u64 k_norm;    // [head_dim] (kn_dtype) when norm, else 0
-    u32 rhalf;     // rotary_dim / 2: pairs (i, i + rhalf) rotate, dims past 2 * rhalf do not
-    u32 norm;      // 1: per-head RMSNorm of q and k before RoPE (Qwen3, Qwen3.5)
-    u32 qn_dtype;  // 0 f32, 1 f16, 2 bf16
-    u32 kn_dtype;
-    float eps;
-    u32 pad;
 };
 
 TP_DEV float attn_neg_inf() { return tp_f32_from_bits(0xff800000u); }
@@ -442,72 +431,6 @@ TP_DEV bool attn_range(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& run, co
     return true;
 }
 
-// QkvAttention: element e (< d) of head `src` (d raw f32 values) after decode.cu's qkv_rope:
-// (x · inv) · w with the head's 1/rms `inv` when norm, then RoPE at `fpos` for the rotated
-// dims (pairs (i, i + rhalf)), the rest as normed. The same expressions as qkv_rope (and so
-// the CPU twin's order), computed per element: a pair's two elements come from one
-// rope_pair call each, in two threads.
-TP_DEV float attn_qkv_elem(const AttnParams& p, const float* src, u32 e, float inv, const u8* wn,
-                           u32 wdt, float fpos) {
-    const u32 rh = p.rhalf;
-    auto normed = [&](u32 i) { return p.norm ? (src[i] * inv) * ld_any(wn, i, wdt) : src[i]; };
-    if (e >= 2 * rh) return normed(e);
-    const u32 i = e < rh ? e : e - rh;
-    float o1, o2;
-    rope_pair(fpos, ((const float*)p.inv_freq)[i], normed(i), normed(i + rh), o1, o2);
-    return e < rh ? o1 : o2;
-}
-
-// 1 / rms of each of `n` heads (d raw f32 values each, `src` + g * d), one wave per head, into
-// out[g] (1 without norm). Every thread calls it; ends with a barrier.
-TP_DEV void attn_qkv_inv(const AttnParams& p, const float* src, u32 n, float* out) {
-    const u32 lane = threadIdx.x % TP_WAVE, wave = threadIdx.x / TP_WAVE;
-    const u32 d = p.head_dim;
-    for (u32 g = wave; g < n; g += TP_ATTN_THREADS / TP_WAVE) {
-        float ss = 0.0f;
-        if (p.norm)
-            for (u32 i = lane; i < d; i += TP_WAVE) ss += src[g * d + i] * src[g * d + i];
-        ss = tp_wave_sum(ss);
-        // As qkv_rope: the twin's 1 / sqrt(mean + eps).
-        if (lane == 0) out[g] = p.norm ? 1.0f / sqrtf(ss / (float)d + p.eps) : 1.0f;
-    }
-    __syncthreads();
-}
-
-// QkvAttention: the block's queries, normed and rotated, into sm.q (zeros past head_dim and
-// past gcount); sm.m holds the heads' 1/rms meanwhile. And, from the block whose part holds
-// the row's position (`store`), the position's k (normed, rotated) and v rounded into the
-// cache rows of KV head kvh, before any key is read (the barrier at the end makes them
-// visible to the block; no other block reads that row: it lies in this part only).
-template <class D, int G>
-TP_DEV void attn_qkv_load(const AttnParams& p, AttnSmem<G>& sm, u32 row, AttnHeads hd, u32 raw_pos,
-                          bool store) {
-    const u32 d = p.head_dim, tid = threadIdx.x;
-    const float* src = (const float*)p.qkv + (u64)row * (p.heads + 2 * p.kv_heads) * d;
-    const float fpos = (float)raw_pos;
-    attn_qkv_inv(p, src + (u64)hd.h0 * d, hd.gcount, sm.m);
-    for (u32 i = tid; i < (u32)G * TP_ATTN_DMAX; i += TP_ATTN_THREADS) {
-        const u32 g = i / TP_ATTN_DMAX, j = i % TP_ATTN_DMAX;
-        sm.q[g][j] = (g < hd.gcount && j < d)
-                         ? attn_qkv_elem(p, src + (u64)(hd.h0 + g) * d, j, sm.m[g], (const u8*)p.q_norm,
-                                         p.qn_dtype, fpos)
-                         : 0.0f;
-    }
-    if (store) {
-        const float* ks = src + (u64)(p.heads + hd.kvh) * d;
-        const float* vs = src + (u64)(p.heads + p.kv_heads + hd.kvh) * d;
-        attn_qkv_inv(p, ks, 1, sm.l);
-        const u64 at = ((u64)raw_pos * p.kv_heads + hd.kvh) * d;
-        u8* kr = (u8*)p.k + at * D::SIZE;
-        u8* vr = (u8*)p.v + at * D::SIZE;
-        for (u32 e = tid; e < d; e += TP_ATTN_THREADS) {
-            D::put(kr, e, attn_qkv_elem(p, ks, e, sm.l[0], (const u8*)p.k_norm, p.kn_dtype, fpos));
-            D::put(vr, e, vs[e]);
-        }
-    }
-    __syncthreads();
-}
-
 // Grid (kv_heads * chunks, parts, rows), TP_ATTN_THREADS threads: the partial state of one
 // part of a row's positions (attn_part_len) for one head chunk, into the workspace. The
 // number of parts is the launcher's (about two blocks per SM over the grid's x and z, at most
@@ -515,11 +438,7 @@ TP_DEV void attn_qkv_load(const AttnParams& p, AttnSmem<G>& sm, u32 row, AttnHea
 // the device: 256 positions over 8 KV heads are 8 parts of 32 keys, 32K positions 33 parts of
 // ~1K keys, so short and long sequences both spread over the SMs. Reads the part's K and V
 // rows of one KV head once and writes G * (d + 2) f32.
-//
-// FUSED (attn_qkv_*, QkvAttention, chunks = 1): the queries come raw from p.qkv and are normed
-// and rotated as they load, and the block whose part holds the position first stores that
-// position's k and v (attn_qkv_load): decode.cu's qkv_rope, without its launch.
-template <class D, int G, bool FUSED>
+template <class D, int G>
 TP_DEV void attn_split_kernel(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& run) {
     const AttnHeads hd = attn_heads(p);
     const u32 part = blockIdx.y, row = blockIdx.z;
@@ -541,15 +460,8 @@ TP_DEV void attn_split_kernel(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& 
         return;
     }
     const u32 e = pos + 1 - b < len ? pos + 1 : b + len;
-    if (FUSED) {
-        // As qkv_rope: a position at or past the cache is not stored (attention then reads
-        // the clamped last row, as the twin does).
-        const u32 raw = ((const u32*)p.pos)[row];
-        attn_qkv_load<D, G>(p, sm, row, hd, raw, e == pos + 1 && raw < p.cap);
-    } else {
-        attn_load_q<G>(p, sm, row, hd.h0, hd.gcount);
-        __syncthreads();
-    }
+    attn_load_q<G>(p, sm, row, hd.h0, hd.gcount);
+    __syncthreads();
     const u64 hoff = (u64)hd.kvh * d * D::SIZE;
     const bool in_run = attn_range<D, G>(p, sm, run, (const u8*)p.k + hoff, (const u8*)p.v + hoff, b, e);
     const float* m = in_run ? run.m : sm.m;
@@ -625,13 +537,7 @@ TP_DEV void attn_single_kernel(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>&
     extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_ATTN_THREADS, 2) NAME(AttnParams p) { tp_pdl_wait();       \
         __shared__ AttnSmem<G> sm;                                                             \
         __shared__ AttnRun<G> run;                                                             \
-        attn_split_kernel<D, G, false>(p, sm, run);                                            \
-    }
-#define TP_ATTN_QKV_KERNEL(NAME, D, G)                                                         \
-    extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_ATTN_THREADS, 2) NAME(AttnParams p) { tp_pdl_wait();       \
-        __shared__ AttnSmem<G> sm;                                                             \
-        __shared__ AttnRun<G> run;                                                             \
-        attn_split_kernel<D, G, true>(p, sm, run);                                             \
+        attn_split_kernel<D, G>(p, sm, run);                                                   \
     }
 #define TP_ATTN_SINGLE_KERNEL(NAME, D, G)                                                      \
     extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_ATTN_THREADS, 2) NAME(AttnParams p) { tp_pdl_wait();       \
@@ -664,15 +570,3 @@ TP_ATTN_SINGLE_KERNEL(attn_single_g4_bf16, BF16, 4)
 TP_ATTN_SINGLE_KERNEL(attn_single_g8_f32, F32, 8)
 TP_ATTN_SINGLE_KERNEL(attn_single_g8_f16, F16, 8)
 TP_ATTN_SINGLE_KERNEL(attn_single_g8_bf16, BF16, 8)
-TP_ATTN_QKV_KERNEL(attn_qkv_g1_f32, F32, 1)
-TP_ATTN_QKV_KERNEL(attn_qkv_g1_f16, F16, 1)
-TP_ATTN_QKV_KERNEL(attn_qkv_g1_bf16, BF16, 1)
-TP_ATTN_QKV_KERNEL(attn_qkv_g2_f32, F32, 2)
-TP_ATTN_QKV_KERNEL(attn_qkv_g2_f16, F16, 2)
-TP_ATTN_QKV_KERNEL(attn_qkv_g2_bf16, BF16, 2)
-TP_ATTN_QKV_KERNEL(attn_qkv_g4_f32, F32, 4)
-TP_ATTN_QKV_KERNEL(attn_qkv_g4_f16, F16, 4)
-TP_ATTN_QKV_KERNEL(attn_qkv_g4_bf16, BF16, 4)
-TP_ATTN_QKV_KERNEL(attn_qkv_g8_f32, F32, 8)
-TP_ATTN_QKV_KERNEL(attn_qkv_g8_f16, F16, 8)
-TP_ATTN_QKV_KERNEL(attn_qkv_g8_bf16, BF16, 8)

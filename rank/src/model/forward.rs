@@ -1212,7 +1212,7 @@ impl<D: Device> Model<D> {
         // q = rope(q_norm(q)); cache[pos] = rope(k_norm(k)), v   (norms: Qwen3, Qwen3.5;
         // Qwen3.5 rotates only the first rotary_dim dims of each head)
         let cache = |b| View::new(b, 0, cap * nkv, kvt);
-        let rope = ops::QkvRope {
+        dev.run(&Op::QkvRope(ops::QkvRope {
             qkv: f32v(&s.qkv, m * wqkv),
             q: f32v(&s.q, m * nq),
             k_cache: cache(&kv.k),
@@ -1227,10 +1227,10 @@ impl<D: Device> Model<D> {
             kv_heads: nkvh,
             head_dim: d,
             rotary_dim: rd,
-        };
+        }))?;
         // att = softmax(q·kᵀ / √d + causal mask) · v
         let att = f32v(&s.att, m * nq);
-        let attn = ops::Attention {
+        dev.run(&Op::Attention(ops::Attention {
             q: f32v(&s.q, m * nq),
             k_cache: cache(&kv.k),
             v_cache: cache(&kv.v),
@@ -1247,15 +1247,7 @@ impl<D: Device> Model<D> {
                     ops::Attention::<D::Buf>::workspace_len(1, nqh, d, cap),
                 )
             }),
-        };
-        if single {
-            // One op for the step: the GPU does the q|k|v epilogue inside its attention
-            // kernel (ops::QkvAttention), a launch less per layer.
-            dev.run(&Op::QkvAttention(ops::QkvAttention { rope, attn }))?;
-        } else {
-            dev.run(&Op::QkvRope(rope))?;
-            dev.run(&Op::Attention(attn))?;
-        }
+        }))?;
         if gated {
             // att = att · sigmoid(gate)
             dev.run(&Op::SigmoidMul(ops::SigmoidMul {
