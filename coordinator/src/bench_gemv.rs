@@ -12,6 +12,9 @@ use crate::cli::BenchGemvArgs;
 use crate::launch::{JobError, Observer};
 use crate::Settings;
 
+/// Most weight elements of one `--shapes` entry.
+const MAX_ELEMENTS: usize = 1 << 32;
+
 /// The rows of the job: one per `--shapes` entry, with the flags' weights.
 pub fn rows(args: &BenchGemvArgs) -> Result<Vec<GemvRow>> {
     let mut rows = Vec::new();
@@ -27,6 +30,11 @@ pub fn rows(args: &BenchGemvArgs) -> Result<Vec<GemvRow>> {
         else {
             bail!("--shapes: '{s}' is not NxK[:silu] with N and K from 1 to 2^24");
         };
+        // The weights are drawn on the host (4 bytes per element while drawn): 2^32 elements
+        // (16 GiB) is far past any model's matrix and still allocatable.
+        if n * k > MAX_ELEMENTS {
+            bail!("--shapes: '{s}' is {} elements, more than 2^32", n * k);
+        }
         let quant = if args.quant == "int4" {
             let group = match args.group {
                 -1 => k,
@@ -246,6 +254,7 @@ mod tests {
             vec!["--group", "48", "--shapes", "8x64"],
             vec!["--quant", "int8"],
             vec!["--group", "0"],
+            vec!["--shapes", "16777216x16777216"],
         ] {
             assert!(rows(&args(&bad)).is_err(), "{bad:?}");
         }

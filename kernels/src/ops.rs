@@ -603,8 +603,9 @@ impl<B> AddNormMatmul<'_, B> {
 /// groups · group` stored inputs j, accumulated in f32. `x`, `f`, `y`, `m` as in [`Matmul`]
 /// (`x`: [m, k] or, with [`Prologue::SiluMul`], [m, 2k]; `y`: [m, n] f32, not overlapping x);
 /// `qweight`: [n, kq/8] u32; `scales`: [n, groups] f16; `zeros`: [n, ⌈groups/8⌉] u32;
-/// `perm`: [kq] u32, each < k (None: kq = k and stored input j is input j). `group` is a
-/// multiple of 8.
+/// `perm`: [kq] u32, each < k (None: kq = k and stored input j is input j): a contract of the
+/// caller, since the values live in device memory where `validate` cannot read them (the CPU
+/// twin checks them; the GPU kernel would read x out of bounds). `group` is a multiple of 8.
 pub struct MatmulInt4<'a, B> {
     pub x: View<'a, B>,
     pub qweight: View<'a, B>,

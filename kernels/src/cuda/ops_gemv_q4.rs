@@ -177,7 +177,8 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
     let f = l.kernels.func(Module::GemvQ4, p.index);
     // SAFETY: GemvQ4Params mirrors gemv_q4.cu's parameter struct (size asserted above); every
     // address was bounds-checked for its whole view (validate() fixed the views' lengths to
-    // the shapes the kernel reads and writes; perm's values were set at load, each < k), and
+    // the shapes the kernel reads and writes; perm's values are each < k by the op's contract,
+    // which kernels/src/int4.rs keeps when it builds them), and
     // the views' buffers outlive the queued launch (callers keep them until the stream is
     // synchronised or the graph destroyed).
     unsafe { l.launch_fn(f, p.grid, p.block, 0, &mut params) }

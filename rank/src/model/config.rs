@@ -810,12 +810,22 @@ fn parse_hybrid(
     if h.conv_kernel < 2 {
         return Err(f.err("linear_conv_kernel_dim", "must be at least 2"));
     }
-    if h.conv_dim() > MAX_WIDTH || 2 * heads * head_dim > MAX_WIDTH {
+    if h.conv_dim() > MAX_WIDTH {
         return Err(f.err(
             "linear_num_value_heads",
             format!(
                 "the DeltaNet q|k|v width {} is wider than {MAX_WIDTH}",
                 h.conv_dim()
+            ),
+        ));
+    }
+    if 2 * heads * head_dim > MAX_WIDTH {
+        return Err(f.err(
+            "num_attention_heads",
+            format!(
+                "q_proj with its output gate is 2·heads·head_dim = {} wide, more than \
+                 {MAX_WIDTH}",
+                2 * heads * head_dim
             ),
         ));
     }

@@ -668,7 +668,8 @@ impl<D: Device> Model<D> {
     }
 
     /// Runs one token at position `pos` (≤ the current length; a smaller `pos` rewinds the
-    /// sequence there) and returns the full-vocab logits.
+    /// sequence there, except in a hybrid model, whose recurrent state cannot rewind) and
+    /// returns the full-vocab logits.
     pub fn step(
         &mut self,
         comm: &mut dyn Collectives<D>,
@@ -868,12 +869,12 @@ impl<D: Device> Model<D> {
             Ok(this.dev.mark()?)
         };
         let e0 = comm.epoch();
-        // Every queued step advances the recurrent states, including one past the stop.
-        let mut queued = 0usize;
+        // Every queued step advances the recurrent states, including one past the stop:
+        // counted as each is queued, so that an error on the way leaves the count exact.
         let mut pending = std::collections::VecDeque::new();
         let l0 = self.dev.launches();
         pending.push_back(queue(self, comm)?);
-        queued += 1;
+        self.state_len += 1;
         if self.graph.is_none() {
             info.launches = self.dev.launches() - l0;
         }
@@ -881,7 +882,7 @@ impl<D: Device> Model<D> {
         while let Some(mark) = pending.pop_front() {
             if done + pending.len() + 1 < max {
                 pending.push_back(queue(self, comm)?);
-                queued += 1;
+                self.state_len += 1;
             }
             self.dev.wait_mark(&mark)?;
             done += 1;
@@ -904,7 +905,6 @@ impl<D: Device> Model<D> {
         for m in pending {
             self.dev.wait_mark(&m)?;
         }
-        self.state_len += queued;
         tracing::debug!("decode: {done} steps done");
         Ok(info)
     }
