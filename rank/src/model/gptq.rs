@@ -128,8 +128,15 @@ pub struct DynamicRule {
     pub action: RuleAction,
 }
 
+/// Rules are equal when written the same: the pattern is compiled from the key.
+impl PartialEq for DynamicRule {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.key, &self.action) == (&other.key, &other.action)
+    }
+}
+
 /// A parsed, validated `quantization_config` of method `gptq`.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct GptqConfig {
     /// The settings of every quantized module no `+:` rule overrides.
     pub base: QuantSettings,

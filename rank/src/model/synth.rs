@@ -107,6 +107,7 @@ pub fn config_for(opts: &SynthOptions) -> ModelConfig {
         bos: Some(SYNTH_BOS),
         eos: vec![SYNTH_EOS],
         hybrid: None,
+        gptq: None,
     };
     match opts.preset {
         Preset::Tiny => {}
