@@ -673,10 +673,15 @@ impl ModelConfig {
         if self.arch == Arch::Qwen2 {
             v["use_sliding_window"] = Value::Bool(false);
         }
-        match &self.hybrid {
+        let mut v = match &self.hybrid {
             Some(h) => hybrid_json(self, h, v),
             None => v,
+        };
+        // At the top level, as the official Qwen3.5 GPTQ checkpoints have it.
+        if let Some(q) = &self.gptq {
+            v["quantization_config"] = q.to_json();
         }
+        v
     }
 }
 

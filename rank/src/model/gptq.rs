@@ -47,7 +47,7 @@ const SYM_ZERO: u8 = 8;
 // ---- config ------------------------------------------------------------------------------
 
 /// The zero-point convention of the stored `qzeros`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum ZeroFormat {
     /// `gptq`: stores z − 1 (AutoGPTQ's packer subtracts one).
     V1,
@@ -248,6 +248,46 @@ impl GptqConfig {
             s.desc_act = desc_act.unwrap_or(s.desc_act);
         }
         Some(s)
+    }
+
+    /// The `quantization_config` object that parses back to this config (the rules' keys
+    /// as written; an override rule with only the fields it sets).
+    pub fn to_json(&self) -> Value {
+        let group = |g: Option<usize>| g.map_or(-1, |g| g as i64);
+        let dynamic: Map<String, Value> = self
+            .dynamic
+            .iter()
+            .map(|r| {
+                let mut o = Map::new();
+                if let RuleAction::Override {
+                    bits,
+                    group_size,
+                    sym,
+                    desc_act,
+                } = &r.action
+                {
+                    let mut put = |k: &str, v: Option<Value>| {
+                        if let Some(v) = v {
+                            o.insert(k.into(), v);
+                        }
+                    };
+                    put("bits", bits.map(Value::from));
+                    put("group_size", group_size.map(|g| Value::from(group(g))));
+                    put("sym", sym.map(Value::from));
+                    put("desc_act", desc_act.map(Value::from));
+                }
+                (r.key.clone(), Value::Object(o))
+            })
+            .collect();
+        serde_json::json!({
+            "quant_method": "gptq",
+            "bits": self.base.bits,
+            "group_size": group(self.base.group_size),
+            "sym": self.base.sym,
+            "desc_act": self.base.desc_act,
+            "checkpoint_format": self.format.name(),
+            "dynamic": dynamic,
+        })
     }
 
     /// Whether `module` is stored quantized (no `-:` rule matches it).
@@ -773,6 +813,12 @@ pub fn k_shard(
     rank: usize,
 ) -> Result<Range<usize>, ModelError> {
     let gl = s.group_len(k);
+    if gl == 0 || !k.is_multiple_of(gl) {
+        return Err(ModelError::Shard {
+            world,
+            why: format!("group_size {gl} does not divide in_features {k}"),
+        });
+    }
     let unit = if k / gl >= world { gl } else { PACK };
     if k == 0 || !k.is_multiple_of(unit) || k / unit < world {
         return Err(ModelError::Shard {
