@@ -910,9 +910,9 @@ pub fn quantize(
     }
     let mut scales = vec![0f32; ng * n];
     let mut zeros = vec![0u8; ng * n];
-    for (g, rows) in order.chunks_exact(gl).enumerate() {
-        for c in 0..n {
-            let vals = rows.iter().map(|&r| w[c * k + r]);
+    for (c, row) in w.chunks_exact(k).enumerate() {
+        for (g, rows) in order.chunks_exact(gl).enumerate() {
+            let vals = rows.iter().map(|&r| row[r]);
             let (lo, hi) = vals.fold((0f32, 0f32), |(a, b), v| (a.min(v), b.max(v)));
             let (s, z) = if opts.sym {
                 let amax = hi.max(-lo);
@@ -934,12 +934,14 @@ pub fn quantize(
             zeros[g * n + c] = z;
         }
     }
+    // By output rows (contiguous in `w`), here and above, not by inputs: a 27B-sized matrix
+    // quantizes three times faster (about 1 s on one core; `synth --quant` writes 192).
     let mut qweight = vec![0i32; k / PACK * n];
-    for r in 0..k {
-        let g = g_idx[r] as usize;
-        for c in 0..n {
+    for (c, row) in w.chunks_exact(k).enumerate() {
+        for (r, &v) in row.iter().enumerate() {
+            let g = g_idx[r] as usize;
             let (s, z) = (scales[g * n + c], zeros[g * n + c] as f32);
-            let q = ((w[c * k + r] / s).round() + z).clamp(0.0, 15.0) as u32;
+            let q = ((v / s).round() + z).clamp(0.0, 15.0) as u32;
             qweight[r / PACK * n + c] |= (q << (4 * (r % PACK))) as i32;
         }
     }
