@@ -658,3 +658,44 @@ fn load_delta<D: Device>(
         )?,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::gptq::ZeroFormat;
+    use crate::model::synth::{config_for, SynthQuant};
+    use crate::model::{Arch, Preset, SynthOptions};
+
+    /// The bytes a decode step reads (`decode --json`'s GB/s numerator) count a GPTQ MLP
+    /// at its packed size: for the 27B at TP=1, qweight (4 bits a weight), f16 scales and
+    /// u32 zero words per group of 128, in place of 3 bf16 matrices per layer; the whole step
+    /// is the issue's ~26 GB.
+    #[test]
+    fn step_bytes_count_an_int4_mlp_at_its_packed_size() {
+        let q = config_for(&SynthOptions {
+            arch: Arch::Qwen3_5,
+            preset: Preset::Qwen3_5_27b,
+            dtype: DType::BF16,
+            seed: 0,
+            tie_embeddings: None,
+            quant: Some(SynthQuant {
+                group_size: Some(128),
+                desc_act: false,
+                format: ZeroFormat::V1,
+                dequantised: false,
+            }),
+        });
+        let mut dense = q.clone();
+        dense.gptq = None;
+        let plan = ShardPlan::new(&q, 0, 1).unwrap();
+        let (_, int4) = shard_bytes(&q, &plan, 2);
+        let (_, bf16) = shard_bytes(&dense, &plan, 2);
+        let (h, i) = (5120u64, 17408u64);
+        let bf16_mlp = 3 * h * i * 2;
+        // gate|up: 2i rows over h inputs (40 groups); down: h rows over i inputs (136).
+        let int4_mlp = (2 * i * h / 2 + 2 * i * 40 * 2 + 2 * i * 5 * 4)
+            + (h * i / 2 + h * 136 * 2 + h * 17 * 4);
+        assert_eq!(bf16 - int4, 64 * (bf16_mlp - int4_mlp));
+        assert!((25.5e9..26.5e9).contains(&(int4 as f64)), "{int4}");
+    }
+}
