@@ -722,53 +722,57 @@ fn check_fixture(name: &str, ok: impl Fn(f32, f32) -> bool) {
 /// act-order (`desc_act`: `g_idx` not monotone), against its dequantised dense twin (`synth`
 /// with `dequantised`: the same model, its MLP in f32 holding what the int4 values stand
 /// for): the same greedy tokens and logits within 1e-4 of the largest, at 1 and 2 ranks (2
-/// ranks split down_proj's inputs in whole groups, which act-order scatters over K).
+/// ranks split down_proj's inputs in whole groups, which act-order scatters over K). A Llama
+/// with a quantized MLP takes the same path.
 #[test]
-fn qwen35_gptq_synth_matches_its_dequantised_twin() {
+fn gptq_synth_matches_its_dequantised_twin() {
     use super::gptq::ZeroFormat;
     let prompt = synth::synth_ids("Four bits a weight.");
-    for desc_act in [false, true] {
-        for format in [ZeroFormat::V1, ZeroFormat::V2] {
-            let tag = format!("gptq-{}-{desc_act}", format.name());
-            let q = |dequantised| synth::SynthQuant {
-                group_size: Some(32),
-                desc_act,
-                format,
-                dequantised,
-            };
-            let dir = synth_tiny_quant(&tag, Arch::Qwen3_5, DType::BF16, Some(q(false)));
-            let twin = synth_tiny_quant(
-                &format!("{tag}-twin"),
-                Arch::Qwen3_5,
-                DType::BF16,
-                Some(q(true)),
-            );
-            let ck = safetensors::Checkpoint::open(&dir).unwrap();
-            let g_idx = ck
-                .read_i32(
-                    "model.language_model.layers.0.mlp.down_proj.g_idx",
-                    &[128],
-                    &safetensors::Slice::Full,
-                )
-                .unwrap();
-            assert_eq!(g_idx.is_sorted(), !desc_act, "{tag}: g_idx order");
-            let run = |dir: &Path, world| {
-                run_ranks(dir, world, &LoadOptions::default(), |m, c| {
-                    greedy(m, c, &prompt, 8)
-                })
-                .swap_remove(0)
-            };
-            let (want, want_logits) = run(&twin, 1);
-            for world in [1, 2] {
-                let (ids, logits) = run(&dir, world);
-                assert_eq!(ids, want, "{tag} world {world}: tokens");
-                let e = rel_err(&logits, &want_logits);
-                assert!(e <= 1e-4, "{tag} world {world}: relative error {e}");
+    for arch in [Arch::Qwen3_5, Arch::Llama] {
+        for desc_act in [false, true] {
+            for format in [ZeroFormat::V1, ZeroFormat::V2] {
+                check_gptq_twin(arch, desc_act, format, &prompt);
             }
-            std::fs::remove_dir_all(&dir).unwrap();
-            std::fs::remove_dir_all(&twin).unwrap();
         }
     }
+}
+
+fn check_gptq_twin(arch: Arch, desc_act: bool, format: super::gptq::ZeroFormat, prompt: &[u32]) {
+    let tag = format!("gptq-{arch:?}-{}-{desc_act}", format.name());
+    let q = |dequantised| synth::SynthQuant {
+        group_size: Some(32),
+        desc_act,
+        format,
+        dequantised,
+    };
+    let dir = synth_tiny_quant(&tag, arch, DType::BF16, Some(q(false)));
+    let twin = synth_tiny_quant(&format!("{tag}-twin"), arch, DType::BF16, Some(q(true)));
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    assert!(cfg.gptq.is_some() && ModelConfig::from_dir(&twin).unwrap().gptq.is_none());
+    let ck = safetensors::Checkpoint::open(&dir).unwrap();
+    let g_idx = ck
+        .read_i32(
+            &format!("{}layers.0.mlp.down_proj.g_idx", weights::text_prefix(&cfg)),
+            &[128],
+            &safetensors::Slice::Full,
+        )
+        .unwrap();
+    assert_eq!(g_idx.is_sorted(), !desc_act, "{tag}: g_idx order");
+    let run = |dir: &Path, world| {
+        run_ranks(dir, world, &LoadOptions::default(), |m, c| {
+            greedy(m, c, prompt, 8)
+        })
+        .swap_remove(0)
+    };
+    let (want, want_logits) = run(&twin, 1);
+    for world in [1, 2] {
+        let (ids, logits) = run(&dir, world);
+        assert_eq!(ids, want, "{tag} world {world}: tokens");
+        let e = rel_err(&logits, &want_logits);
+        assert!(e <= 1e-4, "{tag} world {world}: relative error {e}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_dir_all(&twin).unwrap();
 }
 
 /// A malformed GPTQ checkpoint fails to load with one line naming the fault: 3-bit weights,
