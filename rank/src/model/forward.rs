@@ -963,9 +963,10 @@ impl<D: Device> Model<D> {
         let folds = |n: usize| fold && n <= 2 * h;
         let xs = [x, f32v(&s.x2, m * h)];
         let mut cur = 0; // xs[cur] holds the residual stream
-                         // `next_n`: the output width of the projection that reads xb next.
-        let seam = |comm: &mut dyn Collectives<D>, next_norm, cur: usize, next_n: usize| {
-            if folds(next_n) {
+                         // `next_n`: the output width of the projection that reads xb next, or
+                         // `None` where it cannot fold (an int4 gate|up: no AddNormMatmul).
+        let seam = |comm: &mut dyn Collectives<D>, next_norm, cur: usize, next_n: Option<usize>| {
+            if next_n.is_some_and(folds) {
                 return Ok::<_, RankError>(Some(next_norm));
             }
             let e = AddNorm {
@@ -1073,15 +1074,13 @@ impl<D: Device> Model<D> {
                 _ => unreachable!("each layer's cache is allocated for its mixer"),
             }
             // x = x + allreduce(o); xb = post_attention_layernorm(x)
-            pending = seam(comm, lw.ffn_norm.view(), cur, 2 * ni)?;
-            // hb = [gate_proj | up_proj](xb)   (int4 has no fold: the seam is settled first)
+            let gate_up_n = lw.w_gate_up.dense().map(|_| 2 * ni);
+            pending = seam(comm, lw.ffn_norm.view(), cur, gate_up_n)?;
+            // hb = [gate_proj | up_proj](xb)   (int4: the seam above was settled, not folded)
             let hb = f32v(&s.hb, m * 2 * ni);
             match lw.w_gate_up.dense() {
                 Some(wt) => project(pending.take(), &mut cur, wt.view(), None, hb, 2 * ni)?,
-                None => {
-                    settle(pending.take(), cur)?;
-                    self.matmul(xb, &lw.w_gate_up, hb, m, Prologue::None)?;
-                }
+                None => self.matmul(xb, &lw.w_gate_up, hb, m, Prologue::None)?,
             }
             // x = x + allreduce(down_proj(silu(gate) · up)); xb = the next layer's
             // input_layernorm(x), or the final norm after the last layer.
@@ -1096,7 +1095,7 @@ impl<D: Device> Model<D> {
                 Some(next) => self.in_blocks(&next.mixer).iter().sum(),
                 None => plan.vocab.len(),
             };
-            pending = seam(comm, next, cur, next_n)?;
+            pending = seam(comm, next, cur, Some(next_n))?;
         }
         if !logits {
             return Ok(());
