@@ -97,7 +97,13 @@ impl ShardPlan {
         // loader checks that every layer's down_proj splits the same as layer 0's.
         let down = format!("{}layers.0.mlp.down_proj", text_prefix(cfg));
         let inter = match cfg.gptq.as_ref().and_then(|q| q.settings(&down)) {
-            Some(s) => k_shard(cfg.intermediate, &s, world, rank)?,
+            Some(s) => k_shard(cfg.intermediate, &s, world, rank).map_err(|e| match e {
+                ModelError::Shard { world, why } => ModelError::Shard {
+                    world,
+                    why: format!("{down} (GPTQ): {why}"),
+                },
+                other => other,
+            })?,
             None => shard_range(cfg.intermediate, world, rank),
         };
         Ok(ShardPlan {

@@ -776,7 +776,8 @@ fn check_gptq_twin(arch: Arch, desc_act: bool, format: super::gptq::ZeroFormat, 
 }
 
 /// A malformed GPTQ checkpoint fails to load with one line naming the fault: 3-bit weights,
-/// a group size that does not divide K, a qweight of the wrong shape.
+/// a group size that does not divide K, a qweight of the wrong shape, rules that quantize
+/// the token mixers (only the MLP has an int4 path).
 #[test]
 fn gptq_malformed_checkpoints_fail_with_one_line() {
     let quant = synth::SynthQuant {
@@ -790,7 +791,7 @@ fn gptq_malformed_checkpoints_fail_with_one_line() {
     let original = std::fs::read(&config).unwrap();
     // (what, the config edit, what the error must name)
     type Case = (&'static str, fn(&mut Value), &'static [&'static str]);
-    let cases: [Case; 3] = [
+    let cases: [Case; 4] = [
         (
             "bits 3",
             |v| v["quantization_config"]["bits"] = serde_json::json!(3),
@@ -799,13 +800,22 @@ fn gptq_malformed_checkpoints_fail_with_one_line() {
         (
             "group 48",
             |v| v["quantization_config"]["group_size"] = serde_json::json!(48),
-            &["group_size 48 does not divide in_features 128"],
+            &[
+                "mlp.down_proj",
+                "group_size 48 does not divide in_features 128",
+            ],
         ),
         (
             // 160 MLP columns in the config, 128 in the file: every qweight is too narrow.
             "qweight shape",
             |v| v["text_config"]["intermediate_size"] = serde_json::json!(160),
             &["mlp.gate_proj.qweight", "shape"],
+        ),
+        (
+            // No rule keeping the token mixers dense: their (absent) int4 is refused.
+            "mixer quantized",
+            |v| v["quantization_config"]["dynamic"] = serde_json::json!({}),
+            &["linear_attn.in_proj_qkv is quantized", "only the MLP"],
         ),
     ];
     for (what, edit, want) in cases {

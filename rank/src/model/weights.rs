@@ -459,7 +459,9 @@ fn load_mlp<D: Device>(
             let k = k_shard(inter, &s, plan.world, plan.rank)?;
             if k != plan.inter {
                 return Err(ModelError::Invalid(format!(
-                    "gptq: {down} is quantized in groups that split its inputs as {k:?} on rank                      {} but layer 0's split them as {:?}: every layer's down_proj must be                      grouped alike",
+                    "gptq: {down} is quantized in groups that split its inputs as {k:?} on rank \
+                     {} but layer 0's split them as {:?}: every layer's down_proj must be \
+                     grouped alike",
                     plan.rank, plan.inter
                 )));
             }
@@ -486,7 +488,8 @@ fn load_mlp<D: Device>(
             ))
         }
         Some((_, q)) => Err(ModelError::Invalid(format!(
-            "gptq: {p}mlp: gate_proj, up_proj, down_proj quantized {q:?}: tprun needs all three              quantized or none"
+            "gptq: {p}mlp: gate_proj, up_proj, down_proj quantized {q:?}: tprun needs all three \
+             quantized or none"
         ))),
     }
 }
