@@ -1,7 +1,7 @@
 //! GPTQ int4 checkpoints (AutoGPTQ / GPTQModel layout): the `quantization_config` of
 //! `config.json`, reading one quantized linear layer (or a rank's slice of it) and
 //! dequantising it to the `[N, K]` row-major f32 matrix the rest of tprun uses (Hugging Face's
-//! `[out_features, in_features]`), and the quantiser that writes such layers (tests, and later
+//! `[out_features, in_features]`), and the quantiser that writes such layers (tests, and
 //! `tprun synth --quant gptq-int4`). CPU only: no kernels here, and nothing here decides which
 //! modules of a model are quantized beyond answering the config's `dynamic` rules.
 //!
