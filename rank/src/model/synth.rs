@@ -830,6 +830,45 @@ mod tests {
     }
 
     /// `--arch qwen3_5 --preset 27b`: Qwen/Qwen3.5-27B's text shapes in its official layout.
+    /// A `--quant gptq-int4` folder's config.json parses back to the config synth meant
+    /// (the quantization_config included), and holds the four tensors of every MLP linear
+    /// and no dense MLP weight.
+    #[test]
+    fn gptq_synth_config_round_trips() {
+        let opts = SynthOptions {
+            arch: Arch::Qwen3_5,
+            preset: Preset::Tiny,
+            dtype: DType::BF16,
+            seed: 3,
+            tie_embeddings: None,
+            quant: Some(SynthQuant {
+                group_size: Some(16),
+                desc_act: true,
+                format: ZeroFormat::V2,
+                dequantised: false,
+            }),
+        };
+        let dir = std::env::temp_dir().join(format!("tprun-synth-gptq-{}", std::process::id()));
+        let cfg = synth(&dir, &opts, &mut |_, _| {}).unwrap();
+        let back = ModelConfig::from_dir(&dir).unwrap();
+        let ck = safetensors::Checkpoint::open(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(back.gptq, cfg.gptq);
+        let q = cfg.gptq.as_ref().unwrap();
+        assert_eq!((q.base.group_size, q.base.desc_act), (Some(16), true));
+        assert_eq!(q.format, ZeroFormat::V2);
+        let pre = "model.language_model.layers.1.";
+        assert!(q.is_quantized(&format!("{pre}mlp.up_proj")));
+        assert!(!q.is_quantized(&format!("{pre}self_attn.q_proj")));
+        for m in ["gate_proj", "up_proj", "down_proj"] {
+            for t in ["qweight", "qzeros", "scales", "g_idx"] {
+                assert!(ck.contains(&format!("{pre}mlp.{m}.{t}")), "{m}.{t}");
+            }
+            assert!(!ck.contains(&format!("{pre}mlp.{m}.weight")));
+        }
+        assert!(ck.contains(&format!("{pre}self_attn.q_proj.weight")));
+    }
+
     #[test]
     fn qwen35_27b_has_the_official_shapes_and_names() {
         use crate::model::LayerKind;
