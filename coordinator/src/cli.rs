@@ -191,6 +191,20 @@ pub struct SynthArgs {
     #[arg(long, default_value_t = 0, allow_hyphen_values = true,
           value_parser = whole::<u64>(0, u64::MAX))]
     pub seed: u64,
+
+    /// Quantize the MLP: gptq-int4 (GPTQ int4, symmetric, in the official Qwen3.5 GPTQ
+    /// layout: gate/up/down as qweight, qzeros, scales, g_idx; everything else in --dtype).
+    #[arg(long)]
+    pub quant: Option<String>,
+
+    /// With --quant: input rows per quantization group, dividing the hidden and MLP sizes
+    /// (−1: one group over all inputs). Default: 128, or 32 for the tiny preset.
+    #[arg(long, allow_hyphen_values = true)]
+    pub group_size: Option<i64>,
+
+    /// With --quant: act-order groups (desc_act: g_idx not monotone).
+    #[arg(long)]
+    pub desc_act: bool,
 }
 
 #[derive(Subcommand, Debug)]

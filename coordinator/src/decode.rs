@@ -12,8 +12,10 @@ use serde_json::json;
 use tprun_kernels::DType;
 use tprun_rank::job::{DecodeSpec, ModelSource, Report, Task};
 use tprun_rank::model::forward::{LoadOptions, DEFAULT_MAX_SEQ};
+use tprun_rank::model::gptq::ZeroFormat;
+use tprun_rank::model::synth::config_for;
 use tprun_rank::model::{
-    synth, Arch, GenerateOptions, ModelConfig, Preset, ShardPlan, SynthOptions,
+    synth, Arch, GenerateOptions, ModelConfig, Preset, ShardPlan, SynthOptions, SynthQuant,
 };
 
 use crate::cli::{DecodeArgs, SynthArgs};
@@ -39,6 +41,7 @@ const DEFAULT_MODEL: SynthOptions = SynthOptions {
     dtype: DType::F32,
     seed: 0,
     tie_embeddings: None,
+    quant: None,
 };
 
 /// The model of a decode job, as the coordinator sees it.
@@ -491,13 +494,48 @@ pub fn synth_cmd(args: &SynthArgs) -> Result<i32, JobError> {
     let dtype = dtype_arg("--dtype", &args.dtype, &[])
         .map_err(usage)?
         .expect("no keywords");
+    let quant = match args.quant.as_deref() {
+        None if args.group_size.is_some() || args.desc_act => {
+            return Err(usage("--group-size and --desc-act need --quant gptq-int4"));
+        }
+        None => None,
+        Some("gptq-int4") => Some(SynthQuant {
+            group_size: match args.group_size {
+                None => Some(SynthQuant::default_group(preset)),
+                Some(-1) => None,
+                Some(g) if g > 0 && g % 8 == 0 => Some(g as usize),
+                Some(g) => {
+                    return Err(usage(format!(
+                        "--group-size {g}: a positive multiple of 8, or -1"
+                    )))
+                }
+            },
+            desc_act: args.desc_act,
+            format: ZeroFormat::V1,
+            dequantised: false,
+        }),
+        Some(q) => return Err(usage(format!("unknown --quant '{q}' (gptq-int4)"))),
+    };
     let opts = SynthOptions {
         arch,
         preset,
         dtype,
         seed: args.seed,
         tie_embeddings: None,
+        quant,
     };
+    let cfg = config_for(&opts);
+    if let Some(g) = opts.quant.as_ref().and_then(|q| q.group_size) {
+        if !cfg.hidden.is_multiple_of(g) || !cfg.intermediate.is_multiple_of(g) {
+            return Err(usage(format!(
+                "--group-size {g} does not divide the hidden size {} and the MLP size {} of \
+                 preset {}",
+                cfg.hidden,
+                cfg.intermediate,
+                preset.name()
+            )));
+        }
+    }
     let bar = ProgressBar::new(0);
     bar.set_style(
         ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
@@ -509,8 +547,16 @@ pub fn synth_cmd(args: &SynthArgs) -> Result<i32, JobError> {
     })
     .map_err(bad)?;
     bar.finish_and_clear();
+    let quant = match &opts.quant {
+        Some(q) => format!(
+            ", MLP in GPTQ int4 (group {}{})",
+            q.group_size.map_or("-1".into(), |g| g.to_string()),
+            if q.desc_act { ", desc_act" } else { "" }
+        ),
+        None => String::new(),
+    };
     eprintln!(
-        "wrote {} ({}, preset {}, {} layers, hidden {}, vocab {}, {})",
+        "wrote {} ({}, preset {}, {} layers, hidden {}, vocab {}, {}{quant})",
         Path::new(&args.out).display(),
         cfg.hf_name(),
         preset.name(),

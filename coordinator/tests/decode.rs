@@ -169,6 +169,48 @@ fn qwen35_gives_the_same_tokens_at_every_world_size() {
     env.assert_clean();
 }
 
+/// `synth --arch qwen3_5 --quant gptq-int4` (the MLP in GPTQ int4, the official layout)
+/// through the binary, with and without `--desc-act`: the same greedy tokens at 1 and 2
+/// ranks (2 ranks split the MLP in whole groups).
+#[test]
+fn qwen35_gptq_synth_gives_the_same_tokens_at_one_and_two_ranks() {
+    let env = Env::new("qwen35-gptq");
+    for extra in [&[][..], &["--desc-act"][..]] {
+        let model = env.dir.join("model-qwen35-gptq");
+        let mut c = env.cmd();
+        c.args([
+            "synth",
+            "--arch",
+            "qwen3_5",
+            "--preset",
+            "tiny",
+            "--quant",
+            "gptq-int4",
+            "--seed",
+            "5",
+        ])
+        .args(extra)
+        .arg("--out")
+        .arg(&model);
+        run_ok(c, "synth --quant gptq-int4");
+        let args = [
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "16",
+            "--ignore-eos",
+            "--prompt",
+            "Hello",
+        ];
+        let one = decode_json(&env, 1, &model, &args);
+        assert_eq!(ids(&one["token_ids"]).len(), 16);
+        let two = decode_json(&env, 2, &model, &args);
+        assert_eq!(ids(&two["token_ids"]), ids(&one["token_ids"]), "{extra:?}");
+        std::fs::remove_dir_all(&model).unwrap();
+    }
+    env.assert_clean();
+}
+
 /// `--dump-logits`: one full-vocab f32 row per generated token, the row's argmax being the
 /// token (greedy), identical across world sizes to the last bits of the sums; and the step
 /// replayed as a graph where there are none (CPU) runs the ops one by one, same tokens.

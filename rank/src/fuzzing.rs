@@ -352,6 +352,7 @@ mod tests {
                 dtype: DType::BF16,
                 seed: 0,
                 tie_embeddings: None,
+                quant: None,
             };
             let mut text = config_for(&opts).to_json().to_string().into_bytes();
             if arch == Arch::Qwen2 {
@@ -366,6 +367,7 @@ mod tests {
             dtype: DType::BF16,
             seed: 0,
             tie_embeddings: None,
+            quant: None,
         };
         let text = config_for(&llama8b).to_json().to_string();
         seed("model_config", "llama3-8b", text.as_bytes());

@@ -22,6 +22,7 @@ fn synth_tokenize_load_generate_stream() {
         dtype: DType::BF16,
         seed: 3,
         tie_embeddings: None,
+        quant: None,
     };
     let mut last = (0, 0);
     let cfg = synth(&dir, &opts, &mut |done, total| last = (done, total)).unwrap();

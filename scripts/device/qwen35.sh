@@ -130,7 +130,8 @@ PY
 case "$mode" in
     check)
         fixture qwen35-tiny 1e-4
-        if [ -n "${TPRUN_QWEN35_GPTQ:-}" ]; then fixture qwen35-tiny-gptq 1e-3; fi
+        # TPRUN_QWEN35_GPTQ=0 skips the GPTQ int4 twin.
+        if [ "${TPRUN_QWEN35_GPTQ:-1}" != 0 ]; then fixture qwen35-tiny-gptq 1e-3; fi
         ;;
     perf) perf ;;
     all)

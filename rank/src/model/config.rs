@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{Map, Value};
 use tprun_kernels::DType;
 
+use super::gptq::GptqConfig;
 use super::ModelError;
 
 /// Which transformer variant a checkpoint is.
@@ -152,6 +153,9 @@ pub struct ModelConfig {
     pub eos: Vec<u32>,
     /// Qwen3.5's DeltaNet layers and attention extras; `None` for the plain transformers.
     pub hybrid: Option<Hybrid>,
+    /// `quantization_config` of a GPTQ checkpoint (top level or under `text_config`):
+    /// which linears are stored as int4 and how; `None` for a dense checkpoint.
+    pub gptq: Option<GptqConfig>,
 }
 
 // ---- bounds ------------------------------------------------------------------------------
@@ -558,6 +562,7 @@ impl ModelConfig {
             bos: f.ids("bos_token_id")?.and_then(|v| v.first().copied()),
             eos: f.ids("eos_token_id")?.unwrap_or_default(),
             hybrid,
+            gptq: GptqConfig::from_config(file, &Value::Object(obj.clone()))?,
         })
     }
 
@@ -668,10 +673,15 @@ impl ModelConfig {
         if self.arch == Arch::Qwen2 {
             v["use_sliding_window"] = Value::Bool(false);
         }
-        match &self.hybrid {
+        let mut v = match &self.hybrid {
             Some(h) => hybrid_json(self, h, v),
             None => v,
+        };
+        // At the top level, as the official Qwen3.5 GPTQ checkpoints have it.
+        if let Some(q) = &self.gptq {
+            v["quantization_config"] = q.to_json();
         }
+        v
     }
 }
 

@@ -39,7 +39,7 @@ use tprun_kernels::{DType, Device, Op, View};
 
 use super::config::LayerKind;
 use super::safetensors::Checkpoint;
-use super::weights::{self, AttnWeights, DeltaWeights, Mixer, Tensor, Weights};
+use super::weights::{self, AttnWeights, DeltaWeights, Matrix, Mixer, Tensor, Weights};
 use super::{ModelConfig, ModelError, ShardPlan};
 use crate::{Collectives, RankError};
 
@@ -963,9 +963,10 @@ impl<D: Device> Model<D> {
         let folds = |n: usize| fold && n <= 2 * h;
         let xs = [x, f32v(&s.x2, m * h)];
         let mut cur = 0; // xs[cur] holds the residual stream
-                         // `next_n`: the output width of the projection that reads xb next.
-        let seam = |comm: &mut dyn Collectives<D>, next_norm, cur: usize, next_n: usize| {
-            if folds(next_n) {
+                         // `next_n`: the output width of the projection that reads xb next, or
+                         // `None` where it cannot fold (an int4 gate|up: no AddNormMatmul).
+        let seam = |comm: &mut dyn Collectives<D>, next_norm, cur: usize, next_n: Option<usize>| {
+            if next_n.is_some_and(folds) {
                 return Ok::<_, RankError>(Some(next_norm));
             }
             let e = AddNorm {
@@ -1021,6 +1022,22 @@ impl<D: Device> Model<D> {
             }
             Ok(())
         };
+        // x = x + o; xb = norm(x) · norm_w: a pending seam settled on its own, before a
+        // product it cannot fold into.
+        let settle = |pending: Option<View<'_, D::Buf>>, cur: usize| -> Result<(), RankError> {
+            if let Some(norm_w) = pending {
+                dev.run(&Op::AddRmsNorm(ops::AddRmsNorm {
+                    x: xs[cur],
+                    delta: o,
+                    w: norm_w,
+                    out: xb,
+                    rows: m,
+                    dim: h,
+                    eps,
+                }))?;
+            }
+            Ok(())
+        };
         let mut pending = None;
         let nl = w.layers.len();
         for (l, (lw, cache)) in w.layers.iter().zip(&self.caches).enumerate() {
@@ -1045,18 +1062,7 @@ impl<D: Device> Model<D> {
                     n,
                 )?;
             } else {
-                if let Some(norm_w) = pending.take() {
-                    // x = x + o; xb = norm(x) · norm_w   (the seam, not folded)
-                    dev.run(&Op::AddRmsNorm(ops::AddRmsNorm {
-                        x: xs[cur],
-                        delta: o,
-                        w: norm_w,
-                        out: xb,
-                        rows: m,
-                        dim: h,
-                        eps,
-                    }))?;
-                }
+                settle(pending.take(), cur)?;
                 self.fused_matmul(xb, wt, h, &blocks, &s.qkv, m)?;
             }
             // o = this rank's partial of the mixer's output projection
@@ -1068,28 +1074,17 @@ impl<D: Device> Model<D> {
                 _ => unreachable!("each layer's cache is allocated for its mixer"),
             }
             // x = x + allreduce(o); xb = post_attention_layernorm(x)
-            pending = seam(comm, lw.ffn_norm.view(), cur, 2 * ni)?;
-            // hb = [gate_proj | up_proj](xb)
-            project(
-                pending.take(),
-                &mut cur,
-                lw.w_gate_up.view(),
-                None,
-                f32v(&s.hb, m * 2 * ni),
-                2 * ni,
-            )?;
+            let gate_up_n = lw.w_gate_up.dense().map(|_| 2 * ni);
+            pending = seam(comm, lw.ffn_norm.view(), cur, gate_up_n)?;
+            // hb = [gate_proj | up_proj](xb)   (int4: the seam above was settled, not folded)
+            let hb = f32v(&s.hb, m * 2 * ni);
+            match lw.w_gate_up.dense() {
+                Some(wt) => project(pending.take(), &mut cur, wt.view(), None, hb, 2 * ni)?,
+                None => self.matmul(xb, &lw.w_gate_up, hb, m, Prologue::None)?,
+            }
             // x = x + allreduce(down_proj(silu(gate) · up)); xb = the next layer's
             // input_layernorm(x), or the final norm after the last layer.
-            dev.run(&Op::Matmul(ops::Matmul {
-                x: f32v(&s.hb, m * 2 * ni),
-                w: lw.w_down.view(),
-                bias: None,
-                y: o,
-                m,
-                k: ni,
-                n: h,
-                prologue: Prologue::SiluMul,
-            }))?;
+            self.matmul(hb, &lw.w_down, o, m, Prologue::SiluMul)?;
             let next = if l + 1 < nl {
                 w.layers[l + 1].attn_norm.view()
             } else {
@@ -1100,7 +1095,7 @@ impl<D: Device> Model<D> {
                 Some(next) => self.in_blocks(&next.mixer).iter().sum(),
                 None => plan.vocab.len(),
             };
-            pending = seam(comm, next, cur, next_n)?;
+            pending = seam(comm, next, cur, Some(next_n))?;
         }
         if !logits {
             return Ok(());
@@ -1133,6 +1128,53 @@ impl<D: Device> Model<D> {
             }),
         };
         dev.run(&op)?;
+        Ok(())
+    }
+
+    /// `y = f(x) · wᵀ` for `m` rows of a dense or int4 weight (`Op::Matmul` or
+    /// `Op::MatmulInt4`); `f` as `prologue` says, the shapes the weight's.
+    fn matmul(
+        &self,
+        x: View<'_, D::Buf>,
+        w: &Matrix<D::Buf>,
+        y: View<'_, D::Buf>,
+        m: usize,
+        prologue: Prologue,
+    ) -> Result<(), RankError> {
+        let op = match w {
+            Matrix::Dense(t) => {
+                let n = y.len / m;
+                Op::Matmul(ops::Matmul {
+                    x,
+                    w: t.view(),
+                    bias: None,
+                    y,
+                    m,
+                    k: t.len / n,
+                    n,
+                    prologue,
+                })
+            }
+            Matrix::Int4(q) => {
+                let u32v = |b, len| View::new(b, 0, len, DType::U32);
+                let kq = q.groups * q.group;
+                Op::MatmulInt4(ops::MatmulInt4 {
+                    x,
+                    qweight: u32v(&q.qweight, q.n * kq / 8),
+                    scales: View::new(&q.scales, 0, q.n * q.groups, DType::F16),
+                    zeros: u32v(&q.zeros, q.n * q.groups.div_ceil(8)),
+                    perm: q.perm.as_ref().map(|p| u32v(p, kq)),
+                    y,
+                    m,
+                    k: q.k,
+                    n: q.n,
+                    group: q.group,
+                    groups: q.groups,
+                    prologue,
+                })
+            }
+        };
+        self.dev.run(&op)?;
         Ok(())
     }
 

@@ -40,4 +40,4 @@ pub use generate::{generate, GenerateOptions, GenerateStats};
 pub use local::LocalComm;
 pub use sample::SamplerConfig;
 pub use shard::ShardPlan;
-pub use synth::{synth, Preset, SynthOptions};
+pub use synth::{synth, Preset, SynthOptions, SynthQuant};

@@ -554,7 +554,7 @@ fn slice_runs(shape: &[usize], slice: &Slice) -> Option<Vec<(usize, usize)>> {
 }
 
 /// The crate's name of a tprun dtype.
-fn st_dtype(d: DType) -> Dtype {
+pub(crate) fn st_dtype(d: DType) -> Dtype {
     match d {
         DType::F32 => Dtype::F32,
         DType::F16 => Dtype::F16,

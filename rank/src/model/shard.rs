@@ -12,7 +12,8 @@
 //!   `r / rep` and the query heads `shard_range(g, rep, r % rep)` of that head's group. Every
 //!   rank must get at least one query head (`g >= rep`), otherwise the split is refused.
 //! - MLP columns (`intermediate_size`) and vocab rows are split with `shard_range`, unevenly
-//!   where they do not divide (172 over 8 ranks: 22,22,22,22,21,21,21,21).
+//!   where they do not divide (172 over 8 ranks: 22,22,22,22,21,21,21,21). A GPTQ int4 MLP
+//!   splits them in whole quantization groups instead (`gptq::k_shard`).
 //! - Gated DeltaNet heads (Qwen3.5): rank r owns key heads `shard_range(k_heads, world, r)`
 //!   and exactly the value heads that read them (`k_start·g .. k_end·g`, g = v_heads /
 //!   k_heads), so the recurrence of each value head runs on one rank with its key head. With
@@ -26,6 +27,8 @@ use std::ops::Range;
 
 use tprun_kernels::comm::shard_range;
 
+use super::gptq::k_shard;
+use super::weights::text_prefix;
 use super::{ModelConfig, ModelError};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -89,6 +92,20 @@ impl ShardPlan {
                 (k.clone(), k.start * g..k.end * g)
             }
         };
+        // A GPTQ down_proj is split along its inputs on group boundaries (`k_shard`), so that
+        // no group's scale and zero straddle two ranks; gate/up's output rows follow it. The
+        // loader checks that every layer's down_proj splits the same as layer 0's.
+        let down = format!("{}layers.0.mlp.down_proj", text_prefix(cfg));
+        let inter = match cfg.gptq.as_ref().and_then(|q| q.settings(&down)) {
+            Some(s) => k_shard(cfg.intermediate, &s, world, rank).map_err(|e| match e {
+                ModelError::Shard { world, why } => ModelError::Shard {
+                    world,
+                    why: format!("{down} (GPTQ): {why}"),
+                },
+                other => other,
+            })?,
+            None => shard_range(cfg.intermediate, world, rank),
+        };
         Ok(ShardPlan {
             lin_k_heads,
             lin_v_heads,
@@ -96,7 +113,7 @@ impl ShardPlan {
             world,
             q_heads,
             kv_heads,
-            inter: shard_range(cfg.intermediate, world, rank),
+            inter,
             vocab: shard_range(cfg.vocab, world, rank),
         })
     }
@@ -128,6 +145,7 @@ mod tests {
             bos: None,
             eos: vec![],
             hybrid: None,
+            gptq: None,
         }
     }
 

@@ -16,6 +16,9 @@ use serde_json::{json, Value};
 use tprun_kernels::dtype::encode;
 use tprun_kernels::DType;
 
+use ::safetensors::Dtype;
+
+use super::gptq::{self, GptqConfig, QuantizeOptions, ZeroFormat};
 use super::rng::Rng;
 use super::{safetensors, Arch, Llama3Scaling, ModelConfig, ModelError};
 
@@ -78,6 +81,57 @@ pub struct SynthOptions {
     pub seed: u64,
     /// Override the preset's choice of tied embeddings.
     pub tie_embeddings: Option<bool>,
+    /// `--quant gptq-int4`: the MLP in GPTQ int4.
+    pub quant: Option<SynthQuant>,
+}
+
+/// `--quant gptq-int4`: the MLP's linears (gate, up, down) stored as GPTQ int4 in the
+/// official layout (`qweight`, `qzeros`, `scales`, `g_idx`; symmetric, as the official
+/// Qwen3.5 GPTQ checkpoints), everything else in the model's dtype, with the
+/// `quantization_config` whose `dynamic` rule keeps attention and DeltaNet dense. The int4
+/// values are the dense synth's values rounded to nearest (GPTQ's storage, not its algorithm).
+/// The tiny preset's MLP becomes 128 wide, so that it splits in whole groups over 1, 2 and 4
+/// ranks.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SynthQuant {
+    /// Input rows per group; `None`: −1, one group over all of K.
+    pub group_size: Option<usize>,
+    /// Act-order groups (`g_idx` not monotone): each K's inputs grouped in one seeded
+    /// order, the same for every linear of that K (so gate and up, which read the same
+    /// input, share it, as GPTQ's act-order of a shared input's Hessian does).
+    pub desc_act: bool,
+    /// The zero convention stored: v1 (`gptq`, z − 1 = 7) as GPTQModel writes, or v2.
+    pub format: ZeroFormat,
+    /// Write the dequantised twin instead (for tests): the same model with its MLP dense, in
+    /// f32, holding exactly the values the int4 tensors stand for, and no
+    /// `quantization_config`.
+    pub dequantised: bool,
+}
+
+impl SynthQuant {
+    /// The default group size: 128, as the official checkpoints, or 32 for the tiny preset
+    /// (whose hidden size, 64, 128 does not divide).
+    pub fn default_group(preset: Preset) -> usize {
+        match preset {
+            Preset::Tiny => 32,
+            _ => 128,
+        }
+    }
+
+    /// The `quantization_config` of the quantized checkpoint.
+    fn config(&self) -> GptqConfig {
+        let v = json!({
+            "quant_method": "gptq",
+            "bits": gptq::BITS,
+            "group_size": self.group_size.map_or(-1, |g| g as i64),
+            "sym": true,
+            "desc_act": self.desc_act,
+            "checkpoint_format": self.format.name(),
+            "dynamic": { "-:.*(self_attn|linear_attn).*": {} },
+        });
+        GptqConfig::parse(Path::new("synth"), "quantization_config", &v)
+            .expect("a valid quantization_config")
+    }
 }
 
 /// Token ids of the synthetic tokenizer's special tokens; bytes are ids 0–255.
@@ -107,6 +161,7 @@ pub fn config_for(opts: &SynthOptions) -> ModelConfig {
         bos: Some(SYNTH_BOS),
         eos: vec![SYNTH_EOS],
         hybrid: None,
+        gptq: None,
     };
     match opts.preset {
         Preset::Tiny => {}
@@ -172,6 +227,14 @@ pub fn config_for(opts: &SynthOptions) -> ModelConfig {
     }
     if let Some(t) = opts.tie_embeddings {
         c.tie_embeddings = t;
+    }
+    if let Some(q) = &opts.quant {
+        if opts.preset == Preset::Tiny {
+            c.intermediate = 128;
+        }
+        if !q.dequantised {
+            c.gptq = Some(q.config());
+        }
     }
     c
 }
@@ -306,7 +369,7 @@ fn tensor_list(c: &ModelConfig, dtype: DType) -> Vec<(String, DType, Vec<usize>,
 /// are stood for by one small tensor each (`model.visual.merger.norm.weight`,
 /// `mtp.norm.weight`), not their real weights.
 ///
-/// GPTQ (`--quant gptq-int4`, issue 11) would replace the MLP matrices written here by their
+/// With `--quant gptq-int4`, [`write_weights`] replaces the MLP matrices listed here by their
 /// packed int4 tensors, as the official Qwen3.5-27B-GPTQ-Int4 checkpoint does.
 fn hybrid_tensor_list(
     c: &ModelConfig,
@@ -559,7 +622,8 @@ pub fn in_memory(
 }
 
 /// Writes the weights of `synth`'s model for `opts` to the safetensors file `path`.
-/// `progress(done, total)` is called with bytes of tensor data written so far.
+/// `progress(done, total)` is called with bytes of tensor data written so far. One tensor is
+/// in memory at a time (a quantized linear: its dense values and its packed tensors).
 fn write_weights(
     path: &Path,
     opts: &SynthOptions,
@@ -567,35 +631,137 @@ fn write_weights(
 ) -> Result<(), ModelError> {
     let cfg = config_for(opts);
     let list = tensor_list(&cfg, opts.dtype);
-    let total: u64 = list
+    // Each file tensor: (logical tensor of `list`, the part of a quantized linear: its index
+    // into `Quantized::tensors`, 0 for a dequantised twin; `None`: a dense tensor), with its
+    // header entry.
+    let quant = opts.quant.as_ref().map(|q| (q, q.config()));
+    let mut parts: Vec<(usize, Option<usize>)> = Vec::new();
+    let mut header: Vec<(String, Dtype, Vec<usize>)> = Vec::new();
+    for (i, (name, dtype, shape, _)) in list.iter().enumerate() {
+        let module = name.strip_suffix(".weight").unwrap_or(name);
+        match &quant {
+            Some((q, gc)) if is_quantized_mlp(gc, module) => {
+                let (n, k) = (shape[0], shape[1]);
+                let g = q.group_size.unwrap_or(k);
+                if q.dequantised {
+                    parts.push((i, Some(0)));
+                    header.push((name.clone(), Dtype::F32, shape.clone()));
+                    continue;
+                }
+                let ng = k / g.max(1);
+                for (p, (t, d, sh)) in [
+                    ("qweight", Dtype::I32, vec![k / 8, n]),
+                    ("qzeros", Dtype::I32, vec![ng, n / 8]),
+                    ("scales", Dtype::F16, vec![ng, n]),
+                    ("g_idx", Dtype::I32, vec![k]),
+                ]
+                .into_iter()
+                .enumerate()
+                {
+                    parts.push((i, Some(p)));
+                    header.push((format!("{module}.{t}"), d, sh));
+                }
+            }
+            _ => {
+                parts.push((i, None));
+                header.push((name.clone(), safetensors::st_dtype(*dtype), shape.clone()));
+            }
+        }
+    }
+    let total: u64 = header
         .iter()
-        .map(|(_, d, s, _)| (s.iter().product::<usize>() * d.size()) as u64)
+        .map(|(_, d, s)| (s.iter().product::<usize>() * d.bitsize() / 8) as u64)
         .sum();
-    let header: Vec<(String, DType, Vec<usize>)> = list
-        .iter()
-        .map(|(n, d, s, _)| (n.clone(), *d, s.clone()))
-        .collect();
     let mut done = 0u64;
     progress(0, total);
-    safetensors::write(path, &header, &mut |i, out| {
-        let (_, dtype, shape, init) = &list[i];
+    // The packed tensors of the last quantized linear (its parts are consecutive).
+    let mut packed: Option<(usize, Vec<Vec<u8>>)> = None;
+    safetensors::write_stored(path, &header, &mut |j, out| {
+        let (i, part) = parts[j];
+        let (name, dtype, shape, init) = &list[i];
         // Each tensor has its own stream, so its values do not depend on the others' sizes.
         let mut rng = Rng::new(opts.seed ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         let n: usize = shape.iter().product();
+        let mut draw = |count: usize, vals: &mut Vec<f32>| {
+            vals.extend((0..count).map(|_| init.offset + init.scale * rng.f32_sym()));
+        };
+        let mut emit = |bytes: &[u8]| {
+            out(bytes)?;
+            done += bytes.len() as u64;
+            progress(done, total);
+            Ok::<_, std::io::Error>(())
+        };
+        if let Some(part) = part {
+            // A quantized linear (or its dequantised twin): drawn whole, quantized once.
+            if packed.as_ref().is_none_or(|(pi, _)| *pi != i) {
+                let (q, _) = quant.as_ref().expect("quantized parts come from --quant");
+                let mut w = Vec::with_capacity(n);
+                draw(n, &mut w);
+                let qz = quantize_synth(&w, shape[0], shape[1], q, opts.seed)
+                    .map_err(|e| std::io::Error::other(e.to_string()))?;
+                let module = name.strip_suffix(".weight").unwrap_or(name);
+                let bytes = if q.dequantised {
+                    vec![encode(DType::F32, &qz.dequantize())]
+                } else {
+                    qz.tensors(module, true).into_iter().map(|t| t.3).collect()
+                };
+                packed = Some((i, bytes));
+            }
+            let (_, bytes) = packed.as_ref().expect("just made");
+            return emit(&bytes[part]);
+        }
         let mut vals = Vec::with_capacity(CHUNK.min(n));
         let mut left = n;
         while left > 0 {
             let k = left.min(CHUNK);
             vals.clear();
-            vals.extend((0..k).map(|_| init.offset + init.scale * rng.f32_sym()));
-            let bytes = encode(*dtype, &vals);
-            out(&bytes)?;
-            done += bytes.len() as u64;
-            progress(done, total);
+            draw(k, &mut vals);
+            emit(&encode(*dtype, &vals))?;
             left -= k;
         }
         Ok(())
     })
+}
+
+/// Whether `module` is an MLP linear (`…mlp.gate_proj`, `up_proj`, `down_proj`) that `q`
+/// quantizes: GPTQ quantizes the decoder layers' linears only (never the embedding or the LM
+/// head), and tprun's int4 path is the MLP's.
+fn is_quantized_mlp(q: &GptqConfig, module: &str) -> bool {
+    ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+        .iter()
+        .any(|m| module.ends_with(m))
+        && q.is_quantized(module)
+}
+
+/// Quantizes one synthetic [n, k] linear as `q` says; with `desc_act`, in an act order drawn
+/// from `seed` and k alone (a Fisher–Yates shuffle), so every linear of the same inputs
+/// shares it.
+fn quantize_synth(
+    w: &[f32],
+    n: usize,
+    k: usize,
+    q: &SynthQuant,
+    seed: u64,
+) -> Result<gptq::Quantized, ModelError> {
+    let act_order = q.desc_act.then(|| {
+        let mut rng = Rng::new(seed ^ (k as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
+        let mut order: Vec<usize> = (0..k).collect();
+        for i in (1..k).rev() {
+            order.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+        }
+        order
+    });
+    gptq::quantize(
+        w,
+        n,
+        k,
+        &QuantizeOptions {
+            group_size: q.group_size,
+            sym: true,
+            format: q.format,
+            act_order,
+        },
+    )
 }
 
 #[cfg(test)]
@@ -610,6 +776,7 @@ mod tests {
             dtype: DType::BF16,
             seed: 7,
             tie_embeddings: None,
+            quant: None,
         };
         let dir = std::env::temp_dir().join(format!("tprun-synth-mem-{}", std::process::id()));
         let cfg = synth(&dir, &opts, &mut |_, _| {}).unwrap();
@@ -640,6 +807,7 @@ mod tests {
             dtype: DType::BF16,
             seed: 0,
             tie_embeddings: None,
+            quant: None,
         };
         let c = config_for(&o(Arch::Llama, Preset::Llama3_8b));
         let params: usize = tensor_list(&c, DType::BF16)
@@ -662,6 +830,45 @@ mod tests {
     }
 
     /// `--arch qwen3_5 --preset 27b`: Qwen/Qwen3.5-27B's text shapes in its official layout.
+    /// A `--quant gptq-int4` folder's config.json parses back to the config synth meant
+    /// (the quantization_config included), and holds the four tensors of every MLP linear
+    /// and no dense MLP weight.
+    #[test]
+    fn gptq_synth_config_round_trips() {
+        let opts = SynthOptions {
+            arch: Arch::Qwen3_5,
+            preset: Preset::Tiny,
+            dtype: DType::BF16,
+            seed: 3,
+            tie_embeddings: None,
+            quant: Some(SynthQuant {
+                group_size: Some(16),
+                desc_act: true,
+                format: ZeroFormat::V2,
+                dequantised: false,
+            }),
+        };
+        let dir = std::env::temp_dir().join(format!("tprun-synth-gptq-{}", std::process::id()));
+        let cfg = synth(&dir, &opts, &mut |_, _| {}).unwrap();
+        let back = ModelConfig::from_dir(&dir).unwrap();
+        let ck = safetensors::Checkpoint::open(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(back.gptq, cfg.gptq);
+        let q = cfg.gptq.as_ref().unwrap();
+        assert_eq!((q.base.group_size, q.base.desc_act), (Some(16), true));
+        assert_eq!(q.format, ZeroFormat::V2);
+        let pre = "model.language_model.layers.1.";
+        assert!(q.is_quantized(&format!("{pre}mlp.up_proj")));
+        assert!(!q.is_quantized(&format!("{pre}self_attn.q_proj")));
+        for m in ["gate_proj", "up_proj", "down_proj"] {
+            for t in ["qweight", "qzeros", "scales", "g_idx"] {
+                assert!(ck.contains(&format!("{pre}mlp.{m}.{t}")), "{m}.{t}");
+            }
+            assert!(!ck.contains(&format!("{pre}mlp.{m}.weight")));
+        }
+        assert!(ck.contains(&format!("{pre}self_attn.q_proj.weight")));
+    }
+
     #[test]
     fn qwen35_27b_has_the_official_shapes_and_names() {
         use crate::model::LayerKind;
@@ -671,6 +878,7 @@ mod tests {
             dtype: DType::BF16,
             seed: 0,
             tie_embeddings: None,
+            quant: None,
         });
         let h = c.hybrid.clone().unwrap();
         assert_eq!(

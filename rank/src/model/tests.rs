@@ -182,6 +182,15 @@ fn stories260k_reproduces_the_transformers_reference_at_every_world_size() {
 }
 
 fn synth_tiny(tag: &str, arch: Arch, dtype: DType) -> PathBuf {
+    synth_tiny_quant(tag, arch, dtype, None)
+}
+
+fn synth_tiny_quant(
+    tag: &str,
+    arch: Arch,
+    dtype: DType,
+    quant: Option<synth::SynthQuant>,
+) -> PathBuf {
     let dir = tmpdir(tag);
     let opts = SynthOptions {
         arch,
@@ -189,6 +198,7 @@ fn synth_tiny(tag: &str, arch: Arch, dtype: DType) -> PathBuf {
         dtype,
         seed: 7,
         tie_embeddings: None,
+        quant,
     };
     let mut calls = 0;
     synth(&dir, &opts, &mut |done, total| {
@@ -448,6 +458,7 @@ fn small_model_decode_speed() {
         dtype: DType::BF16,
         seed: 1,
         tie_embeddings: None,
+        quant: None,
     };
     synth(&dir, &opts, &mut |_, _| {}).unwrap();
     let prompt: Vec<u32> = (0..64).map(|i| 3 + i * 7).collect();
@@ -647,7 +658,25 @@ fn qwen35_bad_tensors_are_named() {
 /// step's logits within 1e-4, at 1, 2 and 4 ranks.
 #[test]
 fn qwen35_reproduces_the_transformers_fixture_at_every_world_size() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen35-tiny");
+    check_fixture("qwen35-tiny", |err, _| err <= 1e-4);
+}
+
+/// The same model with its MLP in GPTQ int4 (rank/tests/fixtures/qwen35-tiny-gptq: sym,
+/// group 32, v1 zeros stored as 7, attention and DeltaNet kept bf16 by a `dynamic` rule),
+/// against transformers run on its exactly dequantised bf16 twin: the same greedy tokens and
+/// logits within 1e-3 of the largest reference logit, at 1, 2 and 4 ranks (4 ranks split the
+/// 128 MLP columns in whole groups of 32).
+#[test]
+fn qwen35_gptq_reproduces_its_dequantised_twin_at_every_world_size() {
+    check_fixture("qwen35-tiny-gptq", |err, scale| err <= 1e-3 * scale);
+}
+
+/// Greedy tokens exactly, and `ok(largest logit difference, largest |reference logit|)`,
+/// for the fixture `name` at 1, 2 and 4 ranks.
+fn check_fixture(name: &str, ok: impl Fn(f32, f32) -> bool) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
     let reference: Value =
         serde_json::from_slice(&std::fs::read(dir.join("reference.json")).unwrap()).unwrap();
     let prompt = ids(&reference["prompt"]);
@@ -664,18 +693,140 @@ fn qwen35_reproduces_the_transformers_fixture_at_every_world_size() {
                 .collect()
         })
         .collect();
+    let scale = want_logits
+        .iter()
+        .flatten()
+        .fold(0f32, |m, x| m.max(x.abs()));
     for world in [1, 2, 4] {
         let r = run_ranks(&dir, world, &LoadOptions::default(), |m, comm| {
             greedy(m, comm, &prompt, want.len())
         });
         let (tokens, logits) = &r[0];
-        assert_eq!(tokens, &want, "world {world}: greedy tokens");
+        assert_eq!(tokens, &want, "{name}, world {world}: greedy tokens");
         let err = logits
             .iter()
             .zip(&want_logits)
             .flat_map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()))
             .fold(0f32, f32::max);
-        eprintln!("qwen35 fixture, world {world}: largest logit difference {err:e}");
-        assert!(err <= 1e-4, "world {world}: logits differ by {err}");
+        eprintln!(
+            "{name}, world {world}: largest logit difference {err:e} (largest logit {scale})"
+        );
+        assert!(
+            ok(err, scale),
+            "{name}, world {world}: logits differ by {err}"
+        );
     }
+}
+
+/// The tiny Qwen3.5 of `synth --quant gptq-int4` in both zero conventions, with and without
+/// act-order (`desc_act`: `g_idx` not monotone), against its dequantised dense twin (`synth`
+/// with `dequantised`: the same model, its MLP in f32 holding what the int4 values stand
+/// for): the same greedy tokens and logits within 1e-4 of the largest, at 1 and 2 ranks (2
+/// ranks split down_proj's inputs in whole groups, which act-order scatters over K). A Llama
+/// with a quantized MLP takes the same path.
+#[test]
+fn gptq_synth_matches_its_dequantised_twin() {
+    use super::gptq::ZeroFormat;
+    let prompt = synth::synth_ids("Four bits a weight.");
+    for arch in [Arch::Qwen3_5, Arch::Llama] {
+        for desc_act in [false, true] {
+            for format in [ZeroFormat::V1, ZeroFormat::V2] {
+                check_gptq_twin(arch, desc_act, format, &prompt);
+            }
+        }
+    }
+}
+
+fn check_gptq_twin(arch: Arch, desc_act: bool, format: super::gptq::ZeroFormat, prompt: &[u32]) {
+    let tag = format!("gptq-{arch:?}-{}-{desc_act}", format.name());
+    let q = |dequantised| synth::SynthQuant {
+        group_size: Some(32),
+        desc_act,
+        format,
+        dequantised,
+    };
+    let dir = synth_tiny_quant(&tag, arch, DType::BF16, Some(q(false)));
+    let twin = synth_tiny_quant(&format!("{tag}-twin"), arch, DType::BF16, Some(q(true)));
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    assert!(cfg.gptq.is_some() && ModelConfig::from_dir(&twin).unwrap().gptq.is_none());
+    let ck = safetensors::Checkpoint::open(&dir).unwrap();
+    let g_idx = ck
+        .read_i32(
+            &format!("{}layers.0.mlp.down_proj.g_idx", weights::text_prefix(&cfg)),
+            &[128],
+            &safetensors::Slice::Full,
+        )
+        .unwrap();
+    assert_eq!(g_idx.is_sorted(), !desc_act, "{tag}: g_idx order");
+    let run = |dir: &Path, world| {
+        run_ranks(dir, world, &LoadOptions::default(), |m, c| {
+            greedy(m, c, prompt, 8)
+        })
+        .swap_remove(0)
+    };
+    let (want, want_logits) = run(&twin, 1);
+    for world in [1, 2] {
+        let (ids, logits) = run(&dir, world);
+        assert_eq!(ids, want, "{tag} world {world}: tokens");
+        let e = rel_err(&logits, &want_logits);
+        assert!(e <= 1e-4, "{tag} world {world}: relative error {e}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_dir_all(&twin).unwrap();
+}
+
+/// A malformed GPTQ checkpoint fails to load with one line naming the fault: 3-bit weights,
+/// a group size that does not divide K, a qweight of the wrong shape, rules that quantize
+/// the token mixers (only the MLP has an int4 path).
+#[test]
+fn gptq_malformed_checkpoints_fail_with_one_line() {
+    let quant = synth::SynthQuant {
+        group_size: Some(32),
+        desc_act: false,
+        format: super::gptq::ZeroFormat::V1,
+        dequantised: false,
+    };
+    let dir = synth_tiny_quant("gptq-bad", Arch::Qwen3_5, DType::BF16, Some(quant));
+    let config = dir.join("config.json");
+    let original = std::fs::read(&config).unwrap();
+    // (what, the config edit, what the error must name)
+    type Case = (&'static str, fn(&mut Value), &'static [&'static str]);
+    let cases: [Case; 4] = [
+        (
+            "bits 3",
+            |v| v["quantization_config"]["bits"] = serde_json::json!(3),
+            &["bits", "3"],
+        ),
+        (
+            "group 48",
+            |v| v["quantization_config"]["group_size"] = serde_json::json!(48),
+            &[
+                "mlp.down_proj",
+                "group_size 48 does not divide in_features 128",
+            ],
+        ),
+        (
+            // 160 MLP columns in the config, 128 in the file: every qweight is too narrow.
+            "qweight shape",
+            |v| v["text_config"]["intermediate_size"] = serde_json::json!(160),
+            &["mlp.gate_proj.qweight", "shape"],
+        ),
+        (
+            // No rule keeping the token mixers dense: their (absent) int4 is refused.
+            "mixer quantized",
+            |v| v["quantization_config"]["dynamic"] = serde_json::json!({}),
+            &["linear_attn.in_proj_qkv is quantized", "only the MLP"],
+        ),
+    ];
+    for (what, edit, want) in cases {
+        std::fs::write(&config, &original).unwrap();
+        edit_json(&config, edit);
+        let e = load_err(&dir, 1);
+        eprintln!("{what}: {e}");
+        assert!(!e.contains('\n'), "{what}: more than one line: {e}");
+        for w in want {
+            assert!(e.contains(w), "{what}: {e:?} does not name {w}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }

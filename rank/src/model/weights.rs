@@ -8,11 +8,17 @@
 //! Qwen3.5's RMSNorms are zero-centred (x · rsqrt(mean x² + ε) · (1 + w), in f32): their
 //! weights are loaded as the f32 `1 + w`, so that the norm ops serve unchanged. Its DeltaNet
 //! gated norm uses plain w.
+//!
+//! A GPTQ checkpoint's quantized MLP (the linears its `quantization_config` rules quantize)
+//! is read into the int4 device layout of `tprun_kernels::int4` ([`Matrix::Int4`]); every
+//! other matrix stays dense. Quantized attention or DeltaNet projections are refused.
 
 use tprun_kernels::dtype::{decode, encode};
+use tprun_kernels::int4::Int4Host;
 use tprun_kernels::{DType, Device, View};
 
 use super::config::LayerKind;
+use super::gptq::{k_shard, GptqConfig, LinearPart};
 use super::safetensors::{Checkpoint, Slice};
 use super::{ModelConfig, ModelError, ShardPlan};
 
@@ -29,6 +35,39 @@ impl<B> Tensor<B> {
     }
 }
 
+/// A GPTQ int4 matrix of `n` outputs over `k` inputs in the device layout of
+/// `tprun_kernels::int4` (the buffers [`tprun_kernels::ops::MatmulInt4`] reads).
+pub struct Int4<B> {
+    /// [n, kq/8] u32, kq = groups · group stored inputs.
+    pub qweight: B,
+    /// [n, groups] f16.
+    pub scales: B,
+    /// [n, ⌈groups/8⌉] u32.
+    pub zeros: B,
+    /// [kq] u32: the input each stored input multiplies (`desc_act`); `None`: the identity.
+    pub perm: Option<B>,
+    pub n: usize,
+    pub k: usize,
+    pub group: usize,
+    pub groups: usize,
+}
+
+/// A weight matrix [n, k]: dense in the load dtype, or GPTQ int4.
+pub enum Matrix<B> {
+    Dense(Tensor<B>),
+    Int4(Int4<B>),
+}
+
+impl<B> Matrix<B> {
+    /// The dense tensor, for the fused ops (`AddNormMatmul`) that have no int4 form.
+    pub fn dense(&self) -> Option<&Tensor<B>> {
+        match self {
+            Matrix::Dense(t) => Some(t),
+            Matrix::Int4(_) => None,
+        }
+    }
+}
+
 /// One decoder layer. The column-parallel projections that read the same input are fused at
 /// load (concatenated per rank along their output rows), so that decode runs one
 /// matrix–vector product where the checkpoint has two or more.
@@ -41,9 +80,10 @@ pub struct LayerWeights<B> {
     pub ffn_norm: Tensor<B>,
     /// `gate_proj | up_proj`: [2·intermediate, h] → [2·I, h]: this rank's gate rows, then
     /// its up rows (so each output row is [gate | up], what `Prologue::SiluMul` reads).
-    pub w_gate_up: Tensor<B>,
-    /// `down_proj`: [h, intermediate] → [h, I].
-    pub w_down: Tensor<B>,
+    /// GPTQ: int4, gate and up fused the same way.
+    pub w_gate_up: Matrix<B>,
+    /// `down_proj`: [h, intermediate] → [h, I]. GPTQ: int4, I on group boundaries.
+    pub w_down: Matrix<B>,
 }
 
 /// What mixes tokens in one layer.
@@ -172,6 +212,28 @@ impl<D: Device> Loader<'_, D> {
         Ok(Tensor { buf, dtype, len })
     }
 
+    /// An int4 matrix, uploaded buffer by buffer.
+    fn load_int4(&self, h: &Int4Host) -> Result<Int4<D::Buf>, ModelError> {
+        let put = |bytes: Vec<u8>| -> Result<D::Buf, ModelError> {
+            let buf = self.dev.alloc(bytes.len())?;
+            self.dev.write(&buf, 0, &bytes)?;
+            self.done.set(self.done.get() + bytes.len() as u64);
+            (self.progress.borrow_mut())(self.done.get());
+            Ok(buf)
+        };
+        let words = |v: &[u32]| v.iter().flat_map(|w| w.to_le_bytes()).collect::<Vec<u8>>();
+        Ok(Int4 {
+            qweight: put(words(&h.qweight))?,
+            scales: put(h.scales.iter().flat_map(|s| s.to_le_bytes()).collect())?,
+            zeros: put(words(&h.zeros))?,
+            perm: h.perm.as_deref().map(|p| put(words(p))).transpose()?,
+            n: h.n,
+            k: h.k,
+            group: h.group,
+            groups: h.groups,
+        })
+    }
+
     /// Small tensors the ops read as f32 (norm weights, biases). With an explicit weight
     /// dtype they are first rounded to it, as loading with transformers' `torch_dtype` would,
     /// so that a model converted at load time equals the same model stored in that dtype.
@@ -236,19 +298,48 @@ pub fn shard_bytes(cfg: &ModelConfig, plan: &ShardPlan, wsize: usize) -> (u64, u
         }
         None => 0,
     };
-    let mlp = (3 * i * h) as u64;
+    let w = wsize as u64;
+    let pre = text_prefix(cfg);
+    // The MLP's bytes: dense, or int4 (qweight, scales, zeros, perm) where GPTQ-quantized.
+    let mlp = |l: usize| -> u64 {
+        let p = format!("{pre}layers.{l}.mlp.");
+        let q = |m: &str| {
+            cfg.gptq
+                .as_ref()
+                .and_then(|g| g.settings(&format!("{p}{m}")))
+        };
+        let dense = |n: usize, k: usize| (n * k) as u64 * w;
+        let gate_up = match q("gate_proj") {
+            Some(s) => int4_bytes(2 * i, h, s.group_len(h), s.desc_act),
+            None => dense(2 * i, h),
+        };
+        let down = match q("down_proj") {
+            Some(s) => int4_bytes(h, i, s.group_len(cfg.intermediate), s.desc_act),
+            None => dense(h, i),
+        };
+        gate_up + down
+    };
     let layers: u64 = (0..cfg.layers)
         .map(|l| match cfg.kind(l) {
-            LayerKind::Attention => attn + mlp,
-            LayerKind::Delta => delta + mlp,
+            LayerKind::Attention => attn * w + mlp(l),
+            LayerKind::Delta => delta * w + mlp(l),
         })
         .sum();
     let vocab = (plan.vocab.len() * h) as u64;
     let heads = if cfg.tie_embeddings { 1 } else { 2 };
-    let w = wsize as u64;
-    let total = (layers + heads * vocab) * w;
-    let per_token = (layers + vocab) * w;
+    let total = layers + heads * vocab * w;
+    let per_token = layers + vocab * w;
     (total, per_token)
+}
+
+/// Bytes of an int4 matrix of `n` outputs over `k` inputs in groups of `group` (the layout of
+/// `tprun_kernels::int4`: [`Int4Host::bytes`]): qweight k/2 per row, an f16 scale and a
+/// nibble of zero (in whole u32 words) per group and row, and with `desc_act` a u32 per input
+/// of `perm` (a shard whose groups are ragged pads them; not counted).
+fn int4_bytes(n: usize, k: usize, group: usize, desc_act: bool) -> u64 {
+    let groups = k.div_ceil(group.max(1));
+    let perm = if desc_act { 4 * k } else { 0 };
+    (n * k / 2 + n * groups * 2 + n * Int4Host::zero_words(groups) * 4 + perm) as u64
 }
 
 /// The prefix of the text model's tensors: `model.language_model.` in Qwen3.5's multimodal
@@ -292,7 +383,6 @@ pub fn load<D: Device>(
     }
     let h = cfg.hidden;
     let centred = cfg.zero_centred_norms();
-    let inter = [cfg.intermediate, h];
     let mut layers = Vec::with_capacity(cfg.layers);
     for i in 0..cfg.layers {
         let p = format!("{pre}layers.{i}.");
@@ -301,24 +391,13 @@ pub fn load<D: Device>(
             LayerKind::Attention => Mixer::Attention(load_attention(&l, cfg, plan, &p)?),
             LayerKind::Delta => Mixer::Delta(load_delta(&l, cfg, plan, &p)?),
         };
-        let (gate, up) = (t("mlp.gate_proj.weight"), t("mlp.up_proj.weight"));
+        let (w_gate_up, w_down) = load_mlp(&l, cfg, plan, &p)?;
         layers.push(LayerWeights {
             attn_norm: l.load_norm(&t("input_layernorm.weight"), h, centred)?,
             mixer,
             ffn_norm: l.load_norm(&t("post_attention_layernorm.weight"), h, centred)?,
-            w_gate_up: l.load_concat(
-                &[
-                    (&gate, &inter, Slice::Rows(plan.inter.clone())),
-                    (&up, &inter, Slice::Rows(plan.inter.clone())),
-                ],
-                None,
-            )?,
-            w_down: l.load(
-                &t("mlp.down_proj.weight"),
-                &[h, cfg.intermediate],
-                Slice::Cols(plan.inter.clone()),
-                None,
-            )?,
+            w_gate_up,
+            w_down,
         });
     }
     let vocab_rows = Slice::Rows(plan.vocab.clone());
@@ -339,6 +418,96 @@ pub fn load<D: Device>(
     })
 }
 
+/// gate|up and down of one layer.
+type Mlp<B> = (Matrix<B>, Matrix<B>);
+
+/// `mlp` of layer prefix `p`: gate|up fused, and down; int4 where the GPTQ rules quantize
+/// them.
+fn load_mlp<D: Device>(
+    l: &Loader<'_, D>,
+    cfg: &ModelConfig,
+    plan: &ShardPlan,
+    p: &str,
+) -> Result<Mlp<D::Buf>, ModelError> {
+    let (h, inter) = (cfg.hidden, cfg.intermediate);
+    let m = |s: &str| format!("{p}mlp.{s}");
+    let (gate, up, down) = (m("gate_proj"), m("up_proj"), m("down_proj"));
+    let quantized = |q: &GptqConfig| [&gate, &up, &down].map(|m| q.is_quantized(m));
+    match cfg.gptq.as_ref().map(|q| (q, quantized(q))) {
+        None | Some((_, [false, false, false])) => {
+            let shape = [inter, h];
+            let rows = Slice::Rows(plan.inter.clone());
+            let gate_up = l.load_concat(
+                &[
+                    (&(gate + ".weight"), &shape, rows.clone()),
+                    (&(up + ".weight"), &shape, rows),
+                ],
+                None,
+            )?;
+            let down = l.load(
+                &(down + ".weight"),
+                &[h, inter],
+                Slice::Cols(plan.inter.clone()),
+                None,
+            )?;
+            Ok((Matrix::Dense(gate_up), Matrix::Dense(down)))
+        }
+        Some((q, [true, true, true])) => {
+            // down_proj's input columns on group boundaries; ShardPlan split them by layer
+            // 0's settings, so a layer quantized otherwise cannot share the split.
+            let s = q.settings(&down).expect("quantized");
+            let k = k_shard(inter, &s, plan.world, plan.rank)?;
+            if k != plan.inter {
+                return Err(ModelError::Invalid(format!(
+                    "gptq: {down} is quantized in groups that split its inputs as {k:?} on rank \
+                     {} but layer 0's split them as {:?}: every layer's down_proj must be \
+                     grouped alike",
+                    plan.rank, plan.inter
+                )));
+            }
+            let read = |module: &str, n: usize, k: usize, part_n, part_k| {
+                let part = LinearPart {
+                    module,
+                    out_features: n,
+                    in_features: k,
+                    n: part_n,
+                    k: part_k,
+                };
+                q.read_linear(l.ck, &part)?.to_int4()
+            };
+            let rows = plan.inter.clone();
+            let gate_up = Int4Host::concat_rows(&[
+                read(&gate, inter, h, rows.clone(), 0..h)?,
+                read(&up, inter, h, rows.clone(), 0..h)?,
+            ])
+            .map_err(|why| ModelError::Invalid(format!("gptq: {p}mlp gate_proj|up_proj: {why}")))?;
+            let down = read(&down, h, inter, 0..h, rows)?;
+            Ok((
+                Matrix::Int4(l.load_int4(&gate_up)?),
+                Matrix::Int4(l.load_int4(&down)?),
+            ))
+        }
+        Some((_, q)) => Err(ModelError::Invalid(format!(
+            "gptq: {p}mlp: gate_proj, up_proj, down_proj quantized {q:?}: tprun needs all three \
+             quantized or none"
+        ))),
+    }
+}
+
+/// Refuses a GPTQ checkpoint whose rules quantize a projection of the token mixer: only the
+/// MLP has an int4 path (the official Qwen3.5 GPTQ checkpoints keep attention and DeltaNet
+/// in bf16).
+fn check_mixer_dense(cfg: &ModelConfig, p: &str, modules: &[&str]) -> Result<(), ModelError> {
+    let Some(q) = &cfg.gptq else { return Ok(()) };
+    match modules.iter().find(|m| q.is_quantized(&format!("{p}{m}"))) {
+        Some(m) => Err(ModelError::Invalid(format!(
+            "gptq: {p}{m} is quantized, but tprun reads only the MLP as int4 (a dynamic rule \
+             `-:.*(self_attn|linear_attn).*` keeps the token mixers dense)"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// `self_attn` of layer prefix `p`.
 fn load_attention<D: Device>(
     l: &Loader<'_, D>,
@@ -347,6 +516,16 @@ fn load_attention<D: Device>(
     p: &str,
 ) -> Result<AttnWeights<D::Buf>, ModelError> {
     let (h, d) = (cfg.hidden, cfg.head_dim);
+    check_mixer_dense(
+        cfg,
+        p,
+        &[
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+        ],
+    )?;
     let t = |s: &str| format!("{p}{s}");
     let q_rows = plan.q_heads.start * d..plan.q_heads.end * d;
     let kv_rows = plan.kv_heads.start * d..plan.kv_heads.end * d;
@@ -421,6 +600,17 @@ fn load_delta<D: Device>(
     p: &str,
 ) -> Result<DeltaWeights<D::Buf>, ModelError> {
     let hy = cfg.hybrid.as_ref().expect("a DeltaNet layer is a hybrid's");
+    check_mixer_dense(
+        cfg,
+        p,
+        &[
+            "linear_attn.in_proj_qkv",
+            "linear_attn.in_proj_z",
+            "linear_attn.in_proj_b",
+            "linear_attn.in_proj_a",
+            "linear_attn.out_proj",
+        ],
+    )?;
     let h = cfg.hidden;
     let t = |s: &str| format!("{p}linear_attn.{s}");
     let (kr, vr) = (plan.lin_k_heads.clone(), plan.lin_v_heads.clone());
@@ -470,4 +660,45 @@ fn load_delta<D: Device>(
             None,
         )?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::gptq::ZeroFormat;
+    use crate::model::synth::{config_for, SynthQuant};
+    use crate::model::{Arch, Preset, SynthOptions};
+
+    /// The bytes a decode step reads (`decode --json`'s GB/s numerator) count a GPTQ MLP
+    /// at its packed size: for the 27B at TP=1, qweight (4 bits a weight), f16 scales and
+    /// u32 zero words per group of 128, in place of 3 bf16 matrices per layer; the whole step
+    /// is the issue's ~26 GB.
+    #[test]
+    fn step_bytes_count_an_int4_mlp_at_its_packed_size() {
+        let q = config_for(&SynthOptions {
+            arch: Arch::Qwen3_5,
+            preset: Preset::Qwen3_5_27b,
+            dtype: DType::BF16,
+            seed: 0,
+            tie_embeddings: None,
+            quant: Some(SynthQuant {
+                group_size: Some(128),
+                desc_act: false,
+                format: ZeroFormat::V1,
+                dequantised: false,
+            }),
+        });
+        let mut dense = q.clone();
+        dense.gptq = None;
+        let plan = ShardPlan::new(&q, 0, 1).unwrap();
+        let (_, int4) = shard_bytes(&q, &plan, 2);
+        let (_, bf16) = shard_bytes(&dense, &plan, 2);
+        let (h, i) = (5120u64, 17408u64);
+        let bf16_mlp = 3 * h * i * 2;
+        // gate|up: 2i rows over h inputs (40 groups); down: h rows over i inputs (136).
+        let int4_mlp = (2 * i * h / 2 + 2 * i * 40 * 2 + 2 * i * 5 * 4)
+            + (h * i / 2 + h * 136 * 2 + h * 17 * 4);
+        assert_eq!(bf16 - int4, 64 * (bf16_mlp - int4_mlp));
+        assert!((25.5e9..26.5e9).contains(&(int4 as f64)), "{int4}");
+    }
 }
