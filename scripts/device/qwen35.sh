@@ -5,7 +5,7 @@
 #       (rank/tests/fixtures/qwen35-tiny*, written by scripts/ref_qwen35.py) through the
 #       binary at --ranks 1 and --ranks 4 (MPS on one GPU), graph and eager: the greedy tokens
 #       of reference.json exactly and every step's logits within 1e-4 of the largest logit
-#       (1e-3 for the GPTQ twin, with TPRUN_QWEN35_GPTQ=1). BACKEND defaults to cuda (cpu
+#       (1e-3 for the GPTQ twin; TPRUN_QWEN35_GPTQ=0 skips it). BACKEND defaults to cuda (cpu
 #       runs it here).
 #   scripts/device/qwen35.sh perf BIN              speed: synth qwen3_5 27b with its MLP in
 #       GPTQ int4 (the official layout, group 128), TP=1, batch 1, 128 new tokens after a
@@ -136,7 +136,7 @@ case "$mode" in
     perf) perf ;;
     all)
         fixture qwen35-tiny 1e-4
-        if [ -n "${TPRUN_QWEN35_GPTQ:-}" ]; then fixture qwen35-tiny-gptq 1e-3; fi
+        if [ "${TPRUN_QWEN35_GPTQ:-1}" != 0 ]; then fixture qwen35-tiny-gptq 1e-3; fi
         perf
         ;;
     *) echo "usage: $0 check|perf|all BIN [BACKEND]"; exit 2 ;;
