@@ -526,6 +526,16 @@ pub enum Prologue {
     SiluMul,
 }
 
+impl Prologue {
+    /// Elements of one row of the product's `x` for `k` inputs: k, or 2k ([gate | up]).
+    pub fn x_width(self, k: usize) -> usize {
+        match self {
+            Prologue::None => k,
+            Prologue::SiluMul => 2 * k,
+        }
+    }
+}
+
 /// `y = f(x) · wᵀ (+ bias)`: `w`: [n, k] (f32, f16 or bf16; a Linear's [out, in] layout),
 /// `bias`: [n] f32, `y`: [m, n] f32, accumulated in f32; `x` and `f` as the [`Prologue`] says.
 /// `m = 1` is the decode matrix–vector product; prefill uses `m` = prompt tokens. `y` must not
@@ -543,10 +553,7 @@ pub struct Matmul<'a, B> {
 
 impl<B> Matmul<'_, B> {
     pub fn validate(&self) -> Result<()> {
-        let xk = match self.prologue {
-            Prologue::None => self.k,
-            Prologue::SiluMul => 2 * self.k,
-        };
+        let xk = self.prologue.x_width(self.k);
         expect("matmul", "x", &self.x, self.m * xk, F32)?;
         expect("matmul", "w", &self.w, self.n * self.k, None)?;
         expect("matmul", "y", &self.y, self.m * self.n, F32)?;
@@ -649,10 +656,7 @@ impl<B> MatmulInt4<'_, B> {
             Some(p) => expect(op, "perm", p, kq, U32)?,
             None => {}
         }
-        let xk = match self.prologue {
-            Prologue::None => self.k,
-            Prologue::SiluMul => 2 * self.k,
-        };
+        let xk = self.prologue.x_width(self.k);
         expect(op, "x", &self.x, self.m * xk, F32)?;
         expect(op, "qweight", &self.qweight, self.n * kq / 8, U32)?;
         expect(

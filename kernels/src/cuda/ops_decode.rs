@@ -493,7 +493,7 @@ fn binary(
 //   f32-cache cases check it at the tight tolerance.
 
 /// Random f32 values, bytes: ±m·2^k, k in `exps` (see selftest::Rng).
-fn f32s(rng: &mut Rng, n: usize, exps: std::ops::RangeInclusive<i32>) -> Vec<u8> {
+pub(super) fn f32s(rng: &mut Rng, n: usize, exps: std::ops::RangeInclusive<i32>) -> Vec<u8> {
     rng.bytes(DType::F32, n, exps)
 }
 

@@ -10,6 +10,7 @@
 
 use super::launch::Launcher;
 use super::mem::CudaBuf;
+use super::ops_decode::f32s;
 use super::program::Module;
 use super::selftest::Rng;
 use super::twin::{self, Buf, Tol, TwinCase};
@@ -322,11 +323,6 @@ fn gated_rms_norm(l: &Launcher<'_>, a: &ops::GatedRmsNorm<'_, CudaBuf>) -> Resul
 //   does not amplify it: e^g ≤ 1 and (I − β k̂ k̂ᵀ) has norm ≤ 1 for β in (0, 1). As the
 //   attention twins' 1e-4, it still catches a wrong head, column or gate (those move outputs
 //   by O(0.1)).
-
-/// Random f32 values, bytes: ±m·2^k, k in `exps` (see selftest::Rng).
-fn f32s(rng: &mut Rng, n: usize, exps: std::ops::RangeInclusive<i32>) -> Vec<u8> {
-    rng.bytes(DType::F32, n, exps)
-}
 
 /// A uniform draw in [0, 1) from `rng` (24 bits).
 fn unit(rng: &mut Rng) -> f32 {

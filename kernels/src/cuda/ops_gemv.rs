@@ -146,7 +146,7 @@ fn plan(m: usize, n: usize, act: Act, dtype: DType, sms: u32) -> Result<Plan> {
 }
 
 /// Whether byte ranges `[a, a + la)` and `[b, b + lb)` intersect.
-fn overlap(a: u64, la: usize, b: u64, lb: usize) -> bool {
+pub(super) fn overlap(a: u64, la: usize, b: u64, lb: usize) -> bool {
     la > 0 && lb > 0 && a < b + lb as u64 && b < a + la as u64
 }
 

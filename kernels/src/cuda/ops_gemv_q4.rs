@@ -9,6 +9,7 @@
 
 use super::launch::Launcher;
 use super::mem::CudaBuf;
+use super::ops_gemv::overlap;
 use super::program::Module;
 use super::selftest::Rng;
 use super::twin::{self, Buf, Tol, TwinCase};
@@ -97,11 +98,6 @@ fn plan(m: usize, n: usize, prologue: Prologue, sms: u32) -> Plan {
         ),
         block: waves as u32 * WAVE,
     }
-}
-
-/// Whether byte ranges `[a, a + la)` and `[b, b + lb)` intersect.
-fn overlap(a: u64, la: usize, b: u64, lb: usize) -> bool {
-    la > 0 && lb > 0 && a < b + lb as u64 && b < a + la as u64
 }
 
 /// Queues one `MatmulInt4`.

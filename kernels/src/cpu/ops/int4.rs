@@ -20,10 +20,7 @@ pub(crate) fn matmul_int4(dev: &CpuDevice, a: &MatmulInt4<'_, CpuBuf>) -> Result
             "matmul_int4: y overlaps x or the weights".into(),
         ));
     }
-    let xk = match a.prologue {
-        Prologue::None => k,
-        Prologue::SiluMul => 2 * k,
-    };
+    let xk = a.prologue.x_width(k);
     let px = f32_ptr(&a.x, m * xk, "matmul_int4 x")?;
     // SAFETY: f32_ptr checked m·xk f32 elements; y (written below) does not overlap them.
     let x = unsafe { std::slice::from_raw_parts(px.get(), m * xk) };
