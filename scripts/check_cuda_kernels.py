@@ -42,14 +42,24 @@ def expand(src, seen):
     return "\n".join(out) + "\n"
 
 
-def compile_one(nv, path, arch):
+def compile_one(nv, path, arch, cubin_dir=None):
     src = expand(open(path).read(), set()).encode()
     prog = ctypes.c_void_p()
     r = nv.nvrtcCreateProgram(ctypes.byref(prog), src, os.path.basename(path).encode(), 0, None, None)
     assert r == 0, r
-    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"--use_fast_math" if False else b"-default-device"]
+    # tprun's options (kernels/src/cuda/program.rs), so that a written cubin is what it runs.
+    opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"--fmad=false", b"--ftz=false",
+            b"-default-device"]
     arr = (ctypes.c_char_p * len(opts))(*opts)
     r = nv.nvrtcCompileProgram(prog, len(opts), arr)
+    if r == 0 and cubin_dir:
+        n = ctypes.c_size_t()
+        nv.nvrtcGetCUBINSize(prog, ctypes.byref(n))
+        buf = ctypes.create_string_buffer(n.value)
+        nv.nvrtcGetCUBIN(prog, buf)
+        name = os.path.splitext(os.path.basename(path))[0]
+        with open(os.path.join(cubin_dir, f"{name}.{arch}.cubin"), "wb") as f:
+            f.write(buf.raw)
     size = ctypes.c_size_t()
     nv.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
     log = ctypes.create_string_buffer(size.value)
@@ -62,13 +72,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--lib", default=None)
+    ap.add_argument("--cubin", metavar="DIR", default=None,
+                    help="also write each NAME.ARCH.cubin there (for cuobjdump -sass, e.g. from "
+                         "pip's nvidia-cuda-cuobjdump)")
     ap.add_argument("files", nargs="*")
     a = ap.parse_args()
     nv = ctypes.CDLL(a.lib or find_lib())
     files = a.files or sorted(glob.glob(os.path.join(GPU, "*.cu")))
     fail = 0
     for f in files:
-        r, log = compile_one(nv, f, a.arch)
+        r, log = compile_one(nv, f, a.arch, a.cubin)
         status = "ok  " if r == 0 else "FAIL"
         print(f"{status}  {os.path.basename(f)} {a.arch}")
         if log.strip():

@@ -13,15 +13,34 @@ use super::ops_gemv::overlap;
 use super::program::Module;
 use super::selftest::Rng;
 use super::twin::{self, Buf, Tol, TwinCase};
-use super::{CudaDevice, SelftestResult};
+use super::{driver_err, CudaDevice, SelftestResult};
 use crate::cpu::CpuDevice;
 use crate::device::{Op, View};
 use crate::int4::{Int4Host, PACK};
 use crate::ops::{MatmulInt4, Prologue};
 use crate::{DType, KernelError, Result};
+use cudarc::driver::result as dr;
 
 /// The kernels of gemv_q4.cu, in the order the launcher indexes them: [`kernel_index`].
-pub(crate) const NAMES: &[&str] = &["gemv_q4", "gemv_q4_silu", "gemm_q4", "gemm_q4_silu"];
+pub(crate) const NAMES: &[&str] = &[
+    "gemv_q4",
+    "gemv_q4_silu",
+    "gemm_q4",
+    "gemm_q4_silu",
+    "gemv_q4_k",
+    "gemv_q4_k_silu",
+    "gemv_q4_kb",
+    "gemv_q4_kb_silu",
+];
+
+/// Rows per batch of `gemv_q4_k*` (gemv_q4.cu TP_Q4K_ROWS) and of `gemv_q4_kb*`
+/// (TP_Q4K_ROWS_BIG).
+const K_ROWS: usize = 4;
+const K_ROWS_BIG: usize = 2;
+/// Threads per block the `gemv_q4_k*` kernels are built for (their launch bounds), and the
+/// `gemv_q4_kb*` ones: one thread per 32 stored inputs, so kq up to 20480 takes this path.
+const K_MAX_THREADS: usize = 256;
+const K_MAX_THREADS_BIG: usize = 640;
 
 /// Output rows per wave (gemv_q4.cu TP_Q4_ROWS): `gemv_q4`.
 const ROWS: usize = 4;
@@ -100,6 +119,21 @@ fn plan(m: usize, n: usize, prologue: Prologue, sms: u32) -> Plan {
     }
 }
 
+/// The by-chunk decode kernels (gemv_q4.cu `_k`): (kernel index, threads, rows per batch)
+/// when m = 1, the 16-byte path applies and kq / 32 threads fit a block; else `None`.
+fn k_plan(m: usize, kq: usize, vec: bool, prologue: Prologue) -> Option<(usize, u32, usize)> {
+    let threads = (kq / 32).div_ceil(WAVE as usize) * WAVE as usize;
+    if m != 1 || !vec || threads == 0 || threads > K_MAX_THREADS_BIG {
+        return None;
+    }
+    let silu = usize::from(prologue == Prologue::SiluMul);
+    Some(if threads <= K_MAX_THREADS {
+        (4 + silu, threads as u32, K_ROWS)
+    } else {
+        (6 + silu, threads as u32, K_ROWS_BIG)
+    })
+}
+
 /// Queues one `MatmulInt4`.
 pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
     let Op::MatmulInt4(a) = op else {
@@ -153,7 +187,29 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
         && a.group.is_multiple_of(32)
         && qweight.is_multiple_of(16)
         && acts_aligned;
-    let p = plan(a.m, a.n, a.prologue, l.sms);
+    let p = match k_plan(a.m, a.kq(), vec, a.prologue) {
+        Some((index, threads, rows)) => {
+            // A persistent grid: as many blocks as fit at once, each walking batches of rows.
+            let f = l.kernels.func(Module::GemvQ4, index);
+            // SAFETY: `f` belongs to a loaded module.
+            let per_sm = unsafe {
+                dr::occupancy::max_active_block_per_multiprocessor(
+                    f.cu_function(),
+                    threads as i32,
+                    0,
+                )
+            }
+            .map_err(driver_err("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?
+            .max(1) as usize;
+            let batches = a.n.div_ceil(rows);
+            Plan {
+                index,
+                grid: (batches.min(per_sm * l.sms as usize) as u32, 1, 1),
+                block: threads,
+            }
+        }
+        None => plan(a.m, a.n, a.prologue, l.sms),
+    };
     let mut params = GemvQ4Params {
         x,
         qweight,
@@ -331,6 +387,9 @@ fn specs() -> Vec<Spec> {
         v.push(spec(1, 200, 24, gl, false, silu));
         v.push(spec(5, 200, 24, gl, true, silu));
     }
+    // kq / 32 = 384 threads: the `_kb` kernels (the others of m = 1 above take `_k`).
+    v.push(spec(1, 12288, 40, 128, false, true));
+    v.push(spec(1, 12288, 40, 128, true, false));
     v.push(spec(1, 4096, 4096, 128, false, false));
     v.push(spec(1, 4096, 4096, 128, false, true));
     v.push(spec(1, 2048, 1024, 128, true, true));
@@ -375,6 +434,18 @@ mod tests {
         assert_eq!(NAMES[kernel_index(1, Prologue::SiluMul)], "gemv_q4_silu");
         assert_eq!(NAMES[kernel_index(4, Prologue::None)], "gemm_q4");
         assert_eq!(NAMES[kernel_index(4, Prologue::SiluMul)], "gemm_q4_silu");
+        let k = |kq, pro| k_plan(1, kq, true, pro).map(|(i, t, r)| (NAMES[i], t, r));
+        assert_eq!(k(5120, Prologue::None), Some(("gemv_q4_k", 160, 4)));
+        assert_eq!(k(4352, Prologue::SiluMul), Some(("gemv_q4_k_silu", 160, 4)));
+        assert_eq!(
+            k(17408, Prologue::SiluMul),
+            Some(("gemv_q4_kb_silu", 544, 2))
+        );
+        assert_eq!(k(17408, Prologue::None), Some(("gemv_q4_kb", 544, 2)));
+        assert_eq!(k(20480, Prologue::None), Some(("gemv_q4_kb", 640, 2)));
+        assert_eq!(k(20512, Prologue::None), None);
+        assert_eq!(k_plan(2, 5120, true, Prologue::None), None);
+        assert_eq!(k_plan(1, 5120, false, Prologue::None), None);
     }
 
     /// The `#define`s of gemv_q4.cu must equal the Rust mirrors, and every kernel of NAMES
@@ -387,10 +458,14 @@ mod tests {
         assert_eq!(def("TP_Q4_ROWS_SILU"), ROWS_SILU.to_string());
         assert_eq!(def("TP_Q4_ROWS_TILE"), ROWS_TILE.to_string());
         assert_eq!(def("TP_Q4_TOKENS"), TOKENS.to_string());
+        assert_eq!(def("TP_Q4K_ROWS"), K_ROWS.to_string());
+        assert_eq!(def("TP_Q4K_ROWS_BIG"), K_ROWS_BIG.to_string());
         let at: Vec<usize> = NAMES
             .iter()
             .map(|n| {
-                src.find(&format!("TP_GEMV_Q4_KERNEL({n},"))
+                let plain = src.find(&format!("TP_GEMV_Q4_KERNEL({n},"));
+                plain
+                    .or_else(|| src.find(&format!("TP_GEMV_Q4K_KERNEL({n},")))
                     .unwrap_or_else(|| panic!("{n} instantiated"))
             })
             .collect();

@@ -374,6 +374,126 @@ TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
     }
 }
 
+// ---- decode by input chunks (the `_k` kernels) ------------------------------------------------
+// The m = 1 path the launcher prefers when kq / 32 ≤ 640 and the 16-byte path applies. The
+// kernels above read all of x once per R rows in every wave (prescale, Σ a and, with the
+// prologue, an exp per activation: ~4.7 issued instructions per weight in ptxas's SASS) and
+// were issue-bound at 1.5 TB/s (gate|up) and 0.96 TB/s (down + silu) on an H200. Here a block
+// of ceil(kq / 32) threads covers every stored input once: thread c holds chunk c's 32
+// activations (f(x), through perm when given, pre-scaled) and their sum in registers for the
+// whole kernel, and its group, scale and zero offsets are fixed; only row pointers move. The
+// block walks batches of RB rows (b, b + gridDim.x, ...: a persistent grid, sized by the
+// launcher from the occupancy), per row one 16-byte weight load, one scale and one zero word
+// per thread, the next batch's loads issued before the current batch is computed (two
+// register sets with their roles swapped each step, so nothing is copied). Each wave reduces
+// its RB partial sums with a transposed butterfly (log2 RB exchanges of half the values, then
+// plain xor steps: lane group r ends with row r), the waves' sums meet in shared memory, and
+// after one barrier the first RB threads add them in wave order (deterministic) and write y.
+// ~3.3 instructions per weight. H200, 27B MLP shapes at group 128 (scripts/device/q4lab.cu,
+// 2026-12-03): gate|up [34816, 5120] 2.61 TB/s with RB = 4 (160 threads, 3 blocks per SM),
+// down + silu [5120, 17408] 1.79 TB/s with RB = 2 (544 threads, 1 block per SM: the
+// registers cap it), against 4.4 TB/s for a plain read. Integer tensor cores (weights as u8,
+// x as four exact signed bytes per 128-input slice, m16n8k32) reach ~1.8 instructions per
+// weight and were exact to 1e-7, but stalled on their dependent MMA chain at 2.2 TB/s: the
+// lab file keeps them (lab_m, lab_m2) for the next round.
+#define TP_Q4K_ROWS 4        // RB of gemv_q4_k* (blocks of at most 256 threads)
+#define TP_Q4K_ROWS_BIG 2    // RB of gemv_q4_kb* (up to 640 threads: the registers allow 2)
+
+template <int RB>
+struct Q4KBatch {
+    Q4Words<4> w[RB];
+    u16 s[RB];
+    u32 z[RB];
+};
+
+// This thread's chunk of batch b's rows (rows past n repeat the last: computed, not written).
+template <int RB>
+TP_DEV void q4k_load(const u32* wp, const u16* sp, const u32* zp, u32 wstride, u32 sstride,
+                     u32 zstride, u32 b, u32 n, Q4KBatch<RB>& bt) {
+#pragma unroll
+    for (int r = 0; r < RB; ++r) {
+        const u64 row = q4_min(b * RB + r, n - 1);
+        bt.w[r] = q4_ld<4>(wp + row * wstride);
+        bt.s[r] = sp[row * sstride];
+        bt.z[r] = zp[row * zstride];
+    }
+}
+
+template <int RB, bool SILU>
+TP_DEV void gemv_q4_k_body(const GemvQ4Params& p) {
+    constexpr int L = RB == 1 ? 0 : RB == 2 ? 1 : RB == 4 ? 2 : RB == 8 ? 3 : 4;
+    static_assert((1 << L) == RB && RB <= 16, "RB a power of two up to 16");
+    __shared__ float red[2][1024 / TP_WAVE][RB];  // [slot][wave][row]
+    const u32 t = threadIdx.x, lane = t % TP_WAVE, wave = t / TP_WAVE, waves = blockDim.x / TP_WAVE;
+    const u32 chunks = p.kq / 32;
+    const bool active = t < chunks;
+    const u32 c = active ? t : 0;  // an idle thread reads chunk 0 and weighs it by zero
+    const u32 g = c * 32 / p.group;
+    const u32 zshift = 4 * (g % 8);
+    const u32 zstride = (p.groups + 7) / 8, wstride = p.kq / 8, sstride = p.groups;
+    const u32* wp = (const u32*)p.qweight + c * 4;
+    const u16* sp = (const u16*)p.scales + g;
+    const u32* zp = (const u32*)p.zeros + g / 8;
+    const u32 batches = (p.n + RB - 1) / RB;
+    u32 b = blockIdx.x;
+    if (b >= batches) return;  // the whole block: it reads and writes nothing
+    Q4KBatch<RB> A, B;
+    q4k_load<RB>(wp, sp, zp, wstride, sstride, zstride, b, p.n, A);
+    tp_pdl_wait();
+    float a[32];
+    const float sa = q4_act<4, SILU>((const float*)p.x, p.k, (const u32*)p.perm, c * 32, a);
+    if (!active) {
+#pragma unroll
+        for (int e = 0; e < 32; ++e) a[e] = 0.0f;
+    }
+    const float sa_used = active ? sa : 0.0f;
+    u32 slot = 0;
+    // One batch: the next batch's loads into `nxt`, then `cur` computed, reduced and written.
+    auto step = [&](Q4KBatch<RB>& cur, Q4KBatch<RB>& nxt) -> bool {
+        const u32 b2 = b + gridDim.x;
+        const bool more = b2 < batches;
+        if (more) q4k_load<RB>(wp, sp, zp, wstride, sstride, zstride, b2, p.n, nxt);
+        float v[RB];
+#pragma unroll
+        for (int r = 0; r < RB; ++r) {
+            const float d = q4_dot<4>(cur.w[r], a);
+            const float z = (float)((cur.z[r] >> zshift) & 0xfu);
+            v[r] = q4_scale(cur.s[r]) * fmaf(-z, sa_used, d);
+        }
+#pragma unroll
+        for (int i = 0; i < L; ++i) {
+            const int off = (TP_WAVE / 2) >> i, half = RB >> (i + 1);
+            const bool up = (lane & off) != 0;
+#pragma unroll
+            for (int j = 0; j < half; ++j) {
+                const float send = up ? v[j] : v[j + half];
+                const float keep = up ? v[j + half] : v[j];
+                v[j] = keep + tp_shfl_xor(send, off);
+            }
+        }
+#pragma unroll
+        for (int off = (TP_WAVE / 2) >> L; off > 0; off /= 2) v[0] += tp_shfl_xor(v[0], off);
+        if (lane % (TP_WAVE >> L) == 0) red[slot][wave][lane / (TP_WAVE >> L)] = v[0];
+        __syncthreads();
+        if (t < RB) {
+            float sum = 0.0f;
+            for (u32 w = 0; w < waves; ++w) sum += red[slot][w][t];
+            const u32 row = b * RB + t;
+            if (row < p.n) ((float*)p.y)[row] = sum;
+        }
+        slot ^= 1;
+        b = b2;
+        return more;
+    };
+    for (;;) {
+        if (!step(A, B)) break;
+        if (!step(B, A)) break;
+    }
+}
+
+#define TP_GEMV_Q4K_KERNEL(name, RB, SILU, MAXT) \
+    extern "C" __global__ void TP_LAUNCH_BOUNDS(MAXT, 1) name(const GemvQ4Params p) { gemv_q4_k_body<RB, SILU>(p); }
+
 // Kernel names, in the order of kernels/src/cuda/ops_gemv_q4.rs NAMES.
 // MINB: blocks of 256 threads per SM the registers must allow (see Registers).
 #define TP_GEMV_Q4_KERNEL(name, R, MT, U, SILU, MINB)                               \
@@ -385,3 +505,7 @@ TP_GEMV_Q4_KERNEL(gemv_q4, TP_Q4_ROWS, 1, TP_Q4_LOADS / TP_Q4_ROWS, false, 2)
 TP_GEMV_Q4_KERNEL(gemv_q4_silu, TP_Q4_ROWS_SILU, 1, TP_Q4_LOADS_SILU / TP_Q4_ROWS_SILU, true, 1)
 TP_GEMV_Q4_KERNEL(gemm_q4, TP_Q4_ROWS_TILE, TP_Q4_TOKENS, 1, false, 1)
 TP_GEMV_Q4_KERNEL(gemm_q4_silu, TP_Q4_ROWS_TILE, TP_Q4_TOKENS, 1, true, 1)
+TP_GEMV_Q4K_KERNEL(gemv_q4_k, TP_Q4K_ROWS, false, 256)
+TP_GEMV_Q4K_KERNEL(gemv_q4_k_silu, TP_Q4K_ROWS, true, 256)
+TP_GEMV_Q4K_KERNEL(gemv_q4_kb, TP_Q4K_ROWS_BIG, false, 640)
+TP_GEMV_Q4K_KERNEL(gemv_q4_kb_silu, TP_Q4K_ROWS_BIG, true, 640)
