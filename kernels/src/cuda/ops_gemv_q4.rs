@@ -390,6 +390,10 @@ fn specs() -> Vec<Spec> {
     // kq / 32 = 384 threads: the `_kb` kernels (the others of m = 1 above take `_k`).
     v.push(spec(1, 12288, 40, 128, false, true));
     v.push(spec(1, 12288, 40, 128, true, false));
+    // Enough rows that every block of the persistent grid (an H200's) walks several batches,
+    // the last one partial.
+    v.push(spec(1, 12288, 2200, 128, false, true));
+    v.push(spec(1, 256, 70001, 64, false, false));
     v.push(spec(1, 4096, 4096, 128, false, false));
     v.push(spec(1, 4096, 4096, 128, false, true));
     v.push(spec(1, 2048, 1024, 128, true, true));
