@@ -64,9 +64,12 @@
 // Expected: the bytes read are qweight (n · kq / 2) + scales (2 · n · groups) + zeros; for the
 // 27B shapes at group 128, [34816, 5120] is 89.1 + 2.9 MB and [5120, 17408] with the prologue
 // 44.6 + 1.5 MB. Target ≥ 75 % of the 4.2 TB/s copy ceiling (`tprun bench gemv --quant
-// int4`); not yet measured (written without a GPU, 2026-12-03). Its arithmetic and indexing
-// were checked on a CPU by scripts/emulate_gemv_q4.sh (both nibble readings, every path), and
-// on a GPU `tprun selftest` compares every path with the CPU twin.
+// int4`). Measured (H200, 2026-12-03): these row-group kernels 1.50 and 0.96 TB/s, ~4.7
+// issued instructions per weight (the budget above missed the per-chunk address and x work);
+// decode now takes the by-chunk kernels below where they apply (2.81 and 1.78 TB/s), and
+// these serve prefill, the word path and kq > 20480. Arithmetic and indexing were checked on
+// a CPU by scripts/emulate_gemv_q4.sh (both nibble readings), and on a GPU `tprun selftest`
+// compares every path with the CPU twin.
 
 #include "portable.h"
 #include "elem.h"
