@@ -30,6 +30,23 @@ pub struct DeviceInfo {
     pub uuid: String,
 }
 
+/// Shape limits of a backend's kernels that a model must fit ([`Device::op_limits`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OpLimits {
+    /// Most taps of [`crate::ops::CausalConv`] (`kernel`).
+    pub conv_taps: usize,
+    /// Largest key head dimension of [`crate::ops::GatedDelta`] (`dk`).
+    pub delta_dk: usize,
+}
+
+impl OpLimits {
+    /// No limit (the CPU backend).
+    pub const NONE: OpLimits = OpLimits {
+        conv_taps: usize::MAX,
+        delta_dk: usize::MAX,
+    };
+}
+
 /// How GPU backends export shareable buffers to other processes (`--ipc`); the CPU backend
 /// always uses memfds and ignores it. The one type for this choice: the job spec carries it
 /// and the CLI parses it with [`IpcMode::parse`].
@@ -320,6 +337,12 @@ pub trait Device: Send + Sync + 'static {
     /// (free, total) bytes of device memory, where the backend can tell (GPUs).
     fn mem_info(&self) -> Option<(u64, u64)> {
         None
+    }
+
+    /// The shapes this backend's kernels take, where they are bounded (GPUs), for a model to
+    /// check once at load, before any weight is read.
+    fn op_limits(&self) -> OpLimits {
+        OpLimits::NONE
     }
 
     /// Host → device copy of `src` to `dst` at byte `offset`.

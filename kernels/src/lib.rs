@@ -20,7 +20,7 @@ pub mod ops;
 pub mod rng;
 
 pub use comm::{AllreduceArgs, CommAlgo, CommLayout, CommSettings};
-pub use device::{Device, DeviceInfo, Export, ExportMeta, IpcMode, Op, OpTime, View};
+pub use device::{Device, DeviceInfo, Export, ExportMeta, IpcMode, Op, OpLimits, OpTime, View};
 pub use dtype::DType;
 pub use error::{KernelError, Result};
 pub use ops::Prologue;

@@ -471,6 +471,10 @@ impl Device for CudaDevice {
         self.info.clone()
     }
 
+    fn op_limits(&self) -> crate::device::OpLimits {
+        ops_delta::LIMITS
+    }
+
     fn alloc(&self, bytes: usize) -> Result<CudaBuf> {
         let buf = CudaBuf::alloc(&self.ctx, bytes)?;
         self.zero(&buf)?;

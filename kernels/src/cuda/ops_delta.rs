@@ -42,6 +42,11 @@ const DELTA_COLS: usize = 16;
 const DELTA_THREADS: u32 = 256;
 /// Largest dk the gated_delta kernels take (delta.cu TP_DELTA_DKMAX).
 const DELTA_DKMAX: usize = 256;
+/// What a model must fit ([`crate::Device::op_limits`]): the two bounds above.
+pub(crate) const LIMITS: crate::device::OpLimits = crate::device::OpLimits {
+    conv_taps: CONV_KMAX,
+    delta_dk: DELTA_DKMAX,
+};
 /// Most threads of a gated_rms_norm block (delta.cu TP_GNORM_THREADS).
 const GNORM_THREADS: usize = 256;
 /// Block sizes are multiples of this: whole waves on 32- and 64-lane targets (the block

@@ -35,7 +35,7 @@ use std::sync::Arc;
 use tprun_kernels::comm::AddNorm;
 use tprun_kernels::dtype::{decode_u32, encode_u32};
 use tprun_kernels::ops::{self, Prologue, SampleParams, TOPK_MAX};
-use tprun_kernels::{DType, Device, Op, View};
+use tprun_kernels::{DType, Device, Op, OpLimits, View};
 
 use super::config::LayerKind;
 use super::safetensors::Checkpoint;
@@ -353,6 +353,36 @@ fn f32v<B>(b: &B, len: usize) -> View<'_, B> {
     View::new(b, 0, len, DType::F32)
 }
 
+/// Whether the backend's kernels take this model's shapes (`Device::op_limits`): checked at
+/// load, before any weight is read, so that a model the GPU kernels cannot run fails with one
+/// line instead of at its first step.
+pub fn fits_kernels(cfg: &ModelConfig, backend: &str, lim: OpLimits) -> Result<(), ModelError> {
+    let Some(h) = &cfg.hybrid else {
+        return Ok(());
+    };
+    let mut bad = Vec::new();
+    if h.conv_kernel > lim.conv_taps {
+        bad.push(format!(
+            "linear_conv_kernel_dim {} (at most {})",
+            h.conv_kernel, lim.conv_taps
+        ));
+    }
+    if h.dk > lim.delta_dk {
+        bad.push(format!(
+            "linear_key_head_dim {} (at most {})",
+            h.dk, lim.delta_dk
+        ));
+    }
+    if bad.is_empty() {
+        return Ok(());
+    }
+    Err(ModelError::Invalid(format!(
+        "the {backend} backend's gated DeltaNet kernels cannot run this model: {} \
+         (--backend cpu runs it)",
+        bad.join(", ")
+    )))
+}
+
 impl<D: Device> Model<D> {
     /// Loads rank `rank` of `world`'s shard of the Hugging Face model in `dir`.
     pub fn load(
@@ -393,6 +423,7 @@ impl<D: Device> Model<D> {
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Model<D>, ModelError> {
         let plan = ShardPlan::new(&cfg, rank, world)?;
+        fits_kernels(&cfg, &dev.info().backend, dev.op_limits())?;
         let wsize = match opts.dtype {
             Some(d) => d.size(),
             None => ck

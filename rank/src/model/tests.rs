@@ -830,3 +830,41 @@ fn gptq_malformed_checkpoints_fail_with_one_line() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A model the backend's kernels cannot take fails at load with one line naming the setting
+/// and the bound; one that fits, or the unbounded CPU backend, passes; dense models have no
+/// DeltaNet bound at all.
+#[test]
+fn kernel_limits_are_checked_at_load() {
+    use crate::model::forward::fits_kernels;
+    use crate::model::synth::config_for;
+    use crate::model::{Arch, Preset, SynthOptions};
+    use tprun_kernels::OpLimits;
+    let opts = |arch| SynthOptions {
+        arch,
+        preset: Preset::Tiny,
+        dtype: DType::F32,
+        seed: 0,
+        tie_embeddings: None,
+        quant: None,
+    };
+    let gpu = OpLimits {
+        conv_taps: 8,
+        delta_dk: 256,
+    };
+    let mut cfg = config_for(&opts(Arch::Qwen3_5));
+    fits_kernels(&cfg, "cuda", gpu).unwrap();
+    let h = cfg.hybrid.as_mut().unwrap();
+    h.dk = 512;
+    h.conv_kernel = 12;
+    let e = fits_kernels(&cfg, "cuda", gpu).unwrap_err().to_string();
+    assert!(
+        e.contains("linear_conv_kernel_dim 12 (at most 8)")
+            && e.contains("linear_key_head_dim 512 (at most 256)")
+            && e.contains("cuda")
+            && !e.contains('\n'),
+        "{e}"
+    );
+    fits_kernels(&cfg, "cpu", OpLimits::NONE).unwrap();
+    fits_kernels(&config_for(&opts(Arch::Llama)), "cuda", gpu).unwrap();
+}
