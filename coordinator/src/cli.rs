@@ -78,6 +78,10 @@ pub enum Command {
     },
     /// Generate text with a model sharded across the ranks (tensor parallel).
     Decode(DecodeArgs),
+    /// An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, streaming,
+    /// /v1/models, /health, /metrics) over the ranks; requests are served one at a time (in
+    /// arrival order) for now. Ctrl-C stops it.
+    Serve(ServeArgs),
     /// Write a complete Hugging Face model folder with seeded random weights.
     Synth(SynthArgs),
     /// What this machine offers: backends, devices (name, memory, arch), peer access.
@@ -167,6 +171,41 @@ pub struct DecodeArgs {
     /// Print one JSON object (token ids, text, statistics) instead of streaming text.
     #[arg(long)]
     pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Hugging Face model folder (as `decode`'s; its tokenizer_config.json's chat_template
+    /// renders chat requests). Default: the embedded synthetic model.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+
+    /// Port to listen on (0: any free one; the line "listening on ..." says which).
+    #[arg(long, default_value_t = 8000, value_parser = whole::<u16>(0, u16::MAX as u64))]
+    pub port: u16,
+
+    /// Dtype of the weight matrices on the device: auto (as stored), f32, bf16, f16.
+    #[arg(long, default_value = "auto")]
+    pub dtype: String,
+
+    /// Dtype of the KV cache: auto, f32, bf16, f16 (as `decode`).
+    #[arg(long, default_value = "auto")]
+    pub kv_dtype: String,
+
+    /// KV-cache length in tokens: prompt + completion of one request must fit (default: the
+    /// model's context, at most 4096).
+    #[arg(long, allow_hyphen_values = true,
+          value_parser = whole::<usize>(1, u32::MAX as u64 - 1))]
+    pub max_seq: Option<usize>,
+
+    /// Replay the single-token step as one captured graph (on) or launch its kernels one by
+    /// one (off), as `decode`.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    pub graph: String,
 }
 
 #[derive(Args, Debug)]

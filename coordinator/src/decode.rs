@@ -45,19 +45,19 @@ const DEFAULT_MODEL: SynthOptions = SynthOptions {
 };
 
 /// The model of a decode job, as the coordinator sees it.
-struct ModelInput {
+pub(crate) struct ModelInput {
     /// What the ranks are told to load.
-    source: ModelSource,
-    cfg: ModelConfig,
-    tok: Tokenizer,
+    pub(crate) source: ModelSource,
+    pub(crate) cfg: ModelConfig,
+    pub(crate) tok: Tokenizer,
     /// How messages and the JSON output name it: the folder, or the embedded default.
-    name: String,
+    pub(crate) name: String,
 }
 
 impl ModelInput {
     /// The folder `--model` names (its config, tokenizer and stored dtype read and checked
     /// here), or the embedded default.
-    fn open(model: Option<&Path>) -> Result<ModelInput, JobError> {
+    pub(crate) fn open(model: Option<&Path>) -> Result<ModelInput, JobError> {
         let Some(dir) = model else {
             let cfg = synth::config_for(&DEFAULT_MODEL);
             let tok = Tokenizer::from_json(
@@ -89,7 +89,7 @@ impl ModelInput {
     }
 
     /// The dtype its weights are stored in.
-    fn stored_dtype(&self) -> Result<DType, JobError> {
+    pub(crate) fn stored_dtype(&self) -> Result<DType, JobError> {
         match &self.source {
             ModelSource::Synthetic(o) => Ok(o.dtype),
             ModelSource::Dir(dir) => {
@@ -161,7 +161,9 @@ impl Observer for Streamer {
             Report::BenchRow { .. }
             | Report::Selftest { .. }
             | Report::CopyBandwidth { .. }
-            | Report::GemvRow { .. } => {}
+            | Report::GemvRow { .. }
+            | Report::Served { .. }
+            | Report::Ready => {}
         }
     }
 

@@ -130,6 +130,34 @@ pub struct Launch {
 pub trait Observer {
     fn report(&mut self, rank: usize, report: Report);
     fn tokens(&mut self, _tokens: &[u32]) {}
+    /// Every supervision tick (5 ms) once every rank has joined, after that tick's tokens and
+    /// reports: where a job that takes work (`serve`) sends it to the ranks. An error ends
+    /// the job (exit 1).
+    fn tick(&mut self, _ranks: &RankConns<'_>) -> anyhow::Result<()> {
+        Ok(())
+    }
+    /// The first Ctrl-C (SIGINT/SIGTERM) once every rank has joined: true when the observer
+    /// has asked the ranks to finish (`serve`: a shutdown after the running request), so the
+    /// job may end on its own; false (the default) aborts it. A second signal always aborts.
+    fn stop(&mut self, _ranks: &RankConns<'_>) -> bool {
+        false
+    }
+}
+
+/// The connections of a job's ranks, for [`Observer::tick`].
+pub struct RankConns<'a> {
+    conns: Vec<&'a Conn>,
+}
+
+impl RankConns<'_> {
+    /// Sends `msg` to every rank, in rank order.
+    pub fn send_all(&self, msg: &Msg) -> anyhow::Result<()> {
+        for (r, c) in self.conns.iter().enumerate() {
+            c.send(msg, &[])
+                .map_err(|e| anyhow::anyhow!("sending work to rank {r}: {e}"))?;
+        }
+        Ok(())
+    }
 }
 
 enum Event {
@@ -270,6 +298,7 @@ pub fn run(launch: Launch, observer: &mut dyn Observer) -> Result<(), JobError> 
         last_progress: Instant::now(),
         last_beats: vec![0; world],
         tokens: Vec::new(),
+        stopping: false,
     };
     let result = sup.supervise(&rx, observer);
     drop(sup);
@@ -292,6 +321,8 @@ struct Supervisor<'a> {
     last_progress: Instant,
     last_beats: Vec<u64>,
     tokens: Vec<u32>,
+    /// The observer took the first interrupt ([`Observer::stop`]).
+    stopping: bool,
 }
 
 impl Supervisor<'_> {
@@ -302,14 +333,34 @@ impl Supervisor<'_> {
     ) -> Result<(), JobError> {
         loop {
             match rx.recv_timeout(TICK) {
-                Ok(ev) => self.handle(ev, observer),
+                Ok(ev) => {
+                    // Tokens a rank published before sending a message reach the observer
+                    // before the message (`serve` ends a request on a report).
+                    self.flush_tokens(observer);
+                    self.handle(ev, observer)
+                }
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => break,
             }
-            self.control.pop_tokens(&mut self.tokens);
-            if !self.tokens.is_empty() {
-                observer.tokens(&self.tokens);
-                self.tokens.clear();
+            self.flush_tokens(observer);
+            if self.error.is_none() && self.joined == self.launch.world {
+                let conns: Vec<&Conn> = self
+                    .ranks
+                    .iter()
+                    .filter_map(|r| r.conn.as_deref())
+                    .collect();
+                if conns.len() == self.launch.world {
+                    let ranks = RankConns { conns };
+                    if !self.stopping && INTERRUPTED.load(Ordering::SeqCst) && observer.stop(&ranks)
+                    {
+                        // Handled: the next signal aborts.
+                        self.stopping = true;
+                        INTERRUPTED.store(false, Ordering::SeqCst);
+                    }
+                    if let Err(e) = observer.tick(&ranks) {
+                        self.fail(JobError::Setup(e), AbortReason::Interrupted, None);
+                    }
+                }
             }
             for r in 0..self.ranks.len() {
                 self.judge(r);
@@ -330,6 +381,14 @@ impl Supervisor<'_> {
         match self.error.take() {
             Some(e) => Err(e),
             None => Ok(()),
+        }
+    }
+
+    fn flush_tokens(&mut self, observer: &mut dyn Observer) {
+        self.control.pop_tokens(&mut self.tokens);
+        if !self.tokens.is_empty() {
+            observer.tokens(&self.tokens);
+            self.tokens.clear();
         }
     }
 

@@ -7,6 +7,7 @@ mod bench_gemv;
 mod decode;
 mod info;
 mod launch;
+mod serve;
 
 // The parsers live in the library target, where the fuzz targets reach them.
 use tprun::{cli, tokenizer};
@@ -241,7 +242,9 @@ fn check_ignored_globals(cli: &Cli, matches: &clap::ArgMatches) -> Result<(), St
         Command::Synth(_) => "synth",
         Command::Info(_) => "info",
         Command::Rank(_) => "rank",
-        Command::Bench { .. } | Command::Decode(_) | Command::Selftest(_) => return Ok(()),
+        Command::Bench { .. } | Command::Decode(_) | Command::Serve(_) | Command::Selftest(_) => {
+            return Ok(())
+        }
     };
     // A global flag may stand before or after the subcommand; clap records it in both.
     let sub = matches.subcommand_matches(name);
@@ -290,6 +293,7 @@ fn run(cli: Cli) -> i32 {
             what: BenchCommand::Gemv(a),
         } => bench_gemv::run(&settings, a),
         Command::Decode(a) => decode::run(&settings, a),
+        Command::Serve(a) => serve::run(&settings, a),
         Command::Selftest(a) => info::selftest(&settings, a),
         Command::Rank(_) | Command::Synth(_) | Command::Info(_) => unreachable!("handled above"),
     };

@@ -48,6 +48,16 @@ impl Tokenizer {
         anyhow!("{}: {what}: {e}", self.path.display())
     }
 
+    /// Token ids of `text` without the post-processor's special tokens (a chat template
+    /// writes its own BOS).
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| self.err("encode", e))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
     /// Token ids of `text`, with the special tokens the tokenizer's post-processor adds (BOS
     /// for Llama-style tokenizers).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {

@@ -77,6 +77,9 @@ pub enum Msg {
     Failed { payload: Vec<u8> },
     /// rank → coordinator: this rank finished its work and will exit 0.
     Done,
+    /// coordinator → rank, during a job that takes work (`serve`): the next piece of it,
+    /// opaque to this crate.
+    Work { payload: Vec<u8> },
 }
 
 /// One end of a seqpacket connection.

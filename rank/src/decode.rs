@@ -28,52 +28,15 @@ pub fn run<D: Device>(
     timeout: Duration,
     spin: u32,
 ) -> Result<(), RankError> {
-    ctx.enter(Phase::Loading);
-    let t0 = Instant::now();
-    let opts = LoadOptions {
-        dtype: spec.dtype,
-        kv_dtype: spec.kv_dtype,
-        max_seq: spec.max_seq,
-        ..LoadOptions::default()
-    };
-    // Loading a large shard is disk-bound and may outlast --timeout; it beats on its own
-    // thread meanwhile so that the coordinator does not take it for a stall. Rank 0 reports
-    // its bytes (at most every 1/8 s: the coordinator only draws a bar).
-    let mut last = Instant::now();
-    let mut model = ctx.beating(|| -> Result<Model<D>, RankError> {
-        let (cfg, ck) = match &spec.model {
-            ModelSource::Dir(dir) => (
-                ModelConfig::from_dir(Path::new(dir))?,
-                Checkpoint::open(Path::new(dir))?,
-            ),
-            ModelSource::Synthetic(opts) => synth::in_memory(opts)?,
-        };
-        Ok(Model::load_checkpoint(
-            dev.clone(),
-            &ck,
-            cfg,
-            ctx.rank,
-            ctx.world,
-            &opts,
-            &mut |done, total| {
-                if ctx.rank == 0 && (last.elapsed() >= Duration::from_millis(125) || done == total)
-                {
-                    last = Instant::now();
-                    let _ = report(conn, &Report::LoadProgress { done, total });
-                }
-            },
-        )?)
-    })?;
-    if ctx.rank == 0 {
-        report(
-            conn,
-            &Report::Loaded {
-                seconds: t0.elapsed().as_secs_f64(),
-                bytes: model.load_bytes(),
-                device_bytes: model.device_bytes(),
-            },
-        )?;
-    }
+    let mut model = load(
+        ctx,
+        conn,
+        dev.clone(),
+        &spec.model,
+        spec.dtype,
+        spec.kv_dtype,
+        spec.max_seq,
+    )?;
     // Measurement only (wrong tokens at world > 1): the step without its allreduces.
     model.set_no_allreduce(spec.no_allreduce);
     // Profiling times each op, so the steps are launched one by one.
@@ -174,6 +137,66 @@ pub fn run<D: Device>(
     Ok(())
 }
 
+/// Loads this rank's shard of `source` (rank 0 reports the progress and, at the end, what it
+/// loaded): the first phase of a decode or serve job.
+pub(crate) fn load<D: Device>(
+    ctx: &RankCtx,
+    conn: &Conn,
+    dev: Arc<D>,
+    source: &ModelSource,
+    dtype: Option<tprun_kernels::DType>,
+    kv_dtype: tprun_kernels::DType,
+    max_seq: Option<usize>,
+) -> Result<Model<D>, RankError> {
+    ctx.enter(Phase::Loading);
+    let t0 = Instant::now();
+    let opts = LoadOptions {
+        dtype,
+        kv_dtype,
+        max_seq,
+        ..LoadOptions::default()
+    };
+    // Loading a large shard is disk-bound and may outlast --timeout; it beats on its own
+    // thread meanwhile so that the coordinator does not take it for a stall. Rank 0 reports
+    // its bytes (at most every 1/8 s: the coordinator only draws a bar).
+    let mut last = Instant::now();
+    let model = ctx.beating(|| -> Result<Model<D>, RankError> {
+        let (cfg, ck) = match source {
+            ModelSource::Dir(dir) => (
+                ModelConfig::from_dir(Path::new(dir))?,
+                Checkpoint::open(Path::new(dir))?,
+            ),
+            ModelSource::Synthetic(opts) => synth::in_memory(opts)?,
+        };
+        Ok(Model::load_checkpoint(
+            dev.clone(),
+            &ck,
+            cfg,
+            ctx.rank,
+            ctx.world,
+            &opts,
+            &mut |done, total| {
+                if ctx.rank == 0 && (last.elapsed() >= Duration::from_millis(125) || done == total)
+                {
+                    last = Instant::now();
+                    let _ = report(conn, &Report::LoadProgress { done, total });
+                }
+            },
+        )?)
+    })?;
+    if ctx.rank == 0 {
+        report(
+            conn,
+            &Report::Loaded {
+                seconds: t0.elapsed().as_secs_f64(),
+                bytes: model.load_bytes(),
+                device_bytes: model.device_bytes(),
+            },
+        )?;
+    }
+    Ok(model)
+}
+
 /// Greedy generation one step at a time through [`Model::prefill`] and [`Model::step`], with
 /// every step's full-vocab logits appended to `path` by rank 0 (f32 little endian): the
 /// reference-comparison mode. Slower than [`generate`] (a host round trip per token).
@@ -236,7 +259,7 @@ fn dump_logits<D: Device>(
     Ok(st)
 }
 
-fn report(conn: &Conn, r: &Report) -> Result<(), RankError> {
+pub(crate) fn report(conn: &Conn, r: &Report) -> Result<(), RankError> {
     conn.send(
         &Msg::Report {
             payload: job::encode(r),

@@ -96,6 +96,42 @@ pub enum Task {
     Selftest(SelftestSpec),
     /// `bench gemv`: matrix–vector products alone, on each rank's device.
     BenchGemv(GemvBenchSpec),
+    /// `serve`: load the model, then generate for each [`Work::Generate`] the coordinator
+    /// sends (`Msg::Work`), one sequence at a time, until [`Work::Shutdown`].
+    Serve(ServeSpec),
+}
+
+/// The model of a `serve` job: as a decode job's, without the prompt and sampling (those
+/// come with each request).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ServeSpec {
+    pub model: ModelSource,
+    pub dtype: Option<DType>,
+    pub kv_dtype: DType,
+    pub max_seq: Option<usize>,
+    pub graph: bool,
+}
+
+/// What the coordinator sends a `serve` job's ranks (every rank the same, in the same order).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Work {
+    Generate(GenRequest),
+    /// Finish: close the communicator and exit 0.
+    Shutdown,
+}
+
+/// One sequence to generate: its tokens go through the control block's token ring (rank 0),
+/// then rank 0 reports [`Report::Served`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GenRequest {
+    pub id: u64,
+    pub prompt: Vec<u32>,
+    pub max_new_tokens: usize,
+    pub stop: Vec<u32>,
+    pub temperature: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+    pub seed: u64,
 }
 
 /// `bench gemv`: the products to time, in order, and how.
@@ -242,6 +278,17 @@ pub enum Report {
     },
     /// Rank 0 has moved `done` of its shard's `total` weight bytes to its device.
     LoadProgress { done: u64, total: u64 },
+    /// `serve`: rank 0 finished request `id` (every token it generated is already in the
+    /// token ring); `stopped`: by a stop id, not the budget.
+    Served {
+        id: u64,
+        prompt_tokens: usize,
+        generated: usize,
+        stopped: bool,
+    },
+    /// `serve`: every rank has loaded its shard and joined the communicator: requests may
+    /// come.
+    Ready,
     /// Rank 0 loaded its shard: seconds, weight bytes, and its device's memory use after
     /// allocating the KV cache and scratch (bytes; 0 where unknown).
     Loaded {

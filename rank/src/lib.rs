@@ -20,6 +20,7 @@ pub mod model;
 pub mod phase;
 pub mod run;
 pub mod selftest;
+pub mod serve;
 
 pub use collective::Collectives;
 pub use error::{FailKind, Failure, RankError};

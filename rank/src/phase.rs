@@ -17,11 +17,13 @@ pub enum Phase {
     Finishing = 7,
     /// `selftest`'s kernel checks.
     Selftest = 8,
+    /// `serve`: waiting for the next request.
+    Idle = 9,
 }
 
 impl Phase {
     /// Every phase, in code order.
-    pub const ALL: [Phase; 9] = [
+    pub const ALL: [Phase; 10] = [
         Phase::Starting,
         Phase::Rendezvous,
         Phase::Setup,
@@ -31,11 +33,12 @@ impl Phase {
         Phase::Decode,
         Phase::Finishing,
         Phase::Selftest,
+        Phase::Idle,
     ];
 
     /// The name of each code (`NAMES[p.code()]`), for the control block's messages
     /// (`ControlBlock::with_phase_names`).
-    pub const NAMES: [&'static str; 9] = [
+    pub const NAMES: [&'static str; 10] = [
         "start-up",
         "rendezvous",
         "setup",
@@ -45,6 +48,7 @@ impl Phase {
         "decode",
         "finishing",
         "selftest",
+        "idle",
     ];
 
     /// The code stored in the control block.

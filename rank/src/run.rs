@@ -217,6 +217,7 @@ fn run_task<D: Device>(
         }
         Task::Decode(d) => crate::decode::run(ctx, conn, dev, spec.backend, d, timeout, spin),
         Task::BenchGemv(b) => crate::bench_gemv::run(ctx, conn, &*dev, b),
+        Task::Serve(s) => crate::serve::run(ctx, conn, dev, spec.backend, s, timeout, spin),
         Task::Selftest(_) => unreachable!("selftest opens its own devices"),
     }
 }

@@ -1,0 +1,121 @@
+//! A `serve` job on one rank: load the shard, join the communicator, then generate each
+//! request the coordinator sends (`Msg::Work`), one sequence at a time, until it says stop.
+//!
+//! Every rank receives the same requests in the same order and runs them in lockstep (the
+//! same sampler seed per request, so the same tokens); rank 0 publishes the tokens through the
+//! control block's token ring and reports the end of each request. A rank waiting for work
+//! beats, so an idle server is not taken for a stalled job.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tprun_ipc::{Conn, Msg};
+use tprun_kernels::Device;
+
+use crate::comm::Communicator;
+use crate::decode::{load, report};
+use crate::job::{self, Backend, GenRequest, Report, ServeSpec, Work};
+use crate::model::{generate, GenerateOptions, Model, SamplerConfig};
+use crate::run::RankCtx;
+use crate::{Phase, RankError};
+
+pub fn run<D: Device>(
+    ctx: &RankCtx,
+    conn: &Conn,
+    dev: Arc<D>,
+    backend: Backend,
+    spec: &ServeSpec,
+    timeout: Duration,
+    spin: u32,
+) -> Result<(), RankError> {
+    let mut model = load(
+        ctx,
+        conn,
+        dev.clone(),
+        &spec.model,
+        spec.dtype,
+        spec.kv_dtype,
+        spec.max_seq,
+    )?;
+    model.set_graph(spec.graph);
+    let mut comm = Communicator::establish(
+        dev,
+        conn,
+        ctx,
+        backend,
+        model.max_allreduce_bytes(),
+        timeout,
+        spin,
+    )?;
+    if ctx.rank == 0 {
+        report(conn, &Report::Ready)?;
+    }
+    loop {
+        ctx.enter(Phase::Idle);
+        let work = ctx.beating(|| next_work(conn))?;
+        match work {
+            Work::Shutdown => break,
+            Work::Generate(req) => serve_one(ctx, conn, &mut model, &mut comm, &req, timeout)?,
+        }
+    }
+    comm.close()?;
+    Ok(())
+}
+
+/// Waits for the coordinator's next `Msg::Work`.
+fn next_work(conn: &Conn) -> Result<Work, RankError> {
+    let (msg, _) = conn.recv(None)?;
+    match msg {
+        Msg::Work { payload } => Ok(job::decode(&payload)?),
+        other => Err(RankError::Other(format!(
+            "expected work from the coordinator, got {other:?}"
+        ))),
+    }
+}
+
+fn serve_one<D: Device>(
+    ctx: &RankCtx,
+    conn: &Conn,
+    model: &mut Model<D>,
+    comm: &mut Communicator<D>,
+    req: &GenRequest,
+    timeout: Duration,
+) -> Result<(), RankError> {
+    ctx.enter(Phase::Prefill);
+    let sampler = SamplerConfig {
+        temperature: req.temperature,
+        top_k: req.top_k,
+        top_p: req.top_p,
+        seed: req.seed,
+    };
+    let gen = GenerateOptions {
+        max_new_tokens: req.max_new_tokens,
+        stop: req.stop.clone(),
+    };
+    let control = ctx.control.clone();
+    let rank = ctx.rank;
+    let mut first = true;
+    let stats = generate(model, comm, &sampler, &req.prompt, &gen, &mut |id| {
+        if first {
+            first = false;
+            ctx.enter(Phase::Decode);
+        }
+        if rank == 0 {
+            control.push_token(id, timeout)?;
+        }
+        control.beat(rank);
+        Ok(true)
+    })?;
+    if rank == 0 {
+        report(
+            conn,
+            &Report::Served {
+                id: req.id,
+                prompt_tokens: stats.prompt_tokens,
+                generated: stats.generated,
+                stopped: stats.stopped,
+            },
+        )?;
+    }
+    Ok(())
+}
