@@ -343,6 +343,11 @@ impl Supervisor<'_> {
                 Err(RecvTimeoutError::Disconnected) => break,
             }
             self.flush_tokens(observer);
+            // A signal is read once per tick: offered to the observer first (a graceful stop,
+            // once every rank has joined and only the first time), else the job is aborted
+            // (in check_interrupt_and_stall).
+            let interrupted = INTERRUPTED.swap(false, Ordering::SeqCst);
+            let mut interrupt_handled = false;
             if self.error.is_none() && self.joined == self.launch.world {
                 let conns: Vec<&Conn> = self
                     .ranks
@@ -351,14 +356,13 @@ impl Supervisor<'_> {
                     .collect();
                 if conns.len() == self.launch.world {
                     let ranks = RankConns { conns };
-                    if !self.stopping && INTERRUPTED.load(Ordering::SeqCst) && observer.stop(&ranks)
-                    {
-                        // Handled: the next signal aborts.
+                    if interrupted && !self.stopping && observer.stop(&ranks) {
                         self.stopping = true;
-                        INTERRUPTED.store(false, Ordering::SeqCst);
+                        interrupt_handled = true;
                     }
                     if let Err(e) = observer.tick(&ranks) {
-                        self.fail(JobError::Setup(e), AbortReason::Interrupted, None);
+                        // Sending to a rank failed: its connection is gone.
+                        self.fail(JobError::Setup(e), AbortReason::RankFailed, None);
                     }
                 }
             }
@@ -369,15 +373,12 @@ impl Supervisor<'_> {
                 break;
             }
             if self.error.is_none() {
-                self.check_interrupt_and_stall();
+                self.check_interrupt_and_stall(interrupted && !interrupt_handled);
             }
         }
         self.accepting.store(false, Ordering::SeqCst);
         // Drain tokens published just before the end.
-        self.control.pop_tokens(&mut self.tokens);
-        if !self.tokens.is_empty() {
-            observer.tokens(&self.tokens);
-        }
+        self.flush_tokens(observer);
         match self.error.take() {
             Some(e) => Err(e),
             None => Ok(()),
@@ -586,8 +587,8 @@ impl Supervisor<'_> {
         }
     }
 
-    fn check_interrupt_and_stall(&mut self) {
-        if INTERRUPTED.load(Ordering::SeqCst) {
+    fn check_interrupt_and_stall(&mut self, interrupted: bool) {
+        if interrupted {
             self.fail(JobError::Interrupted, AbortReason::Interrupted, None);
             return;
         }

@@ -13,7 +13,6 @@
 //! client goes away (the ranks run it to its end; the text is dropped), `--listen` for ranks
 //! in other containers.
 
-use std::collections::VecDeque;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
@@ -138,7 +137,8 @@ pub fn run(settings: &Settings, args: &ServeArgs) -> Result<i32, JobError> {
         queued: AtomicU64::new(0),
         next_id: AtomicU64::new(1),
     });
-    http_thread(listener, shared.clone()).map_err(|e| bad(format!("HTTP server: {e}")))?;
+    let http =
+        http_thread(listener, shared.clone()).map_err(|e| bad(format!("HTTP server: {e}")))?;
     eprintln!(
         "tprun serve: {} rank(s), backend {}; model {model_id} ({}); listening on http://{addr}",
         settings.world,
@@ -156,16 +156,16 @@ pub fn run(settings: &Settings, args: &ServeArgs) -> Result<i32, JobError> {
         shared,
         rx,
         running: None,
-        waiting: VecDeque::new(),
         stopping: false,
     };
     let result = crate::launch::run(settings.launch(Task::Serve(spec)), &mut engine);
-    // Closing the engine's channels tells every waiting or running request that the ranks are
-    // gone (a 503, or an error event on a stream); a moment for the handlers to send it.
+    // Closing the engine's channels tells every request still waiting that the ranks are
+    // gone (a 503, or an error event on a stream); then the HTTP server stops taking
+    // connections and finishes the answers it is writing (the last request's included), for
+    // at most a few seconds.
+    engine.shared.ready.store(false, Ordering::SeqCst);
     drop(engine);
-    if result.is_err() {
-        std::thread::sleep(std::time::Duration::from_millis(300));
-    }
+    http.finish(std::time::Duration::from_secs(5));
     result?;
     eprintln!("tprun serve: stopped");
     Ok(0)
@@ -195,7 +195,23 @@ fn chat_template(dir: &Path) -> Result<Option<ChatTemplate>, String> {
     }))
 }
 
-fn http_thread(listener: std::net::TcpListener, shared: Arc<Shared>) -> std::io::Result<()> {
+/// The HTTP server's thread: told to stop by `stop`, says it has on `ended`.
+struct Http {
+    stop: tokio::sync::oneshot::Sender<()>,
+    ended: Receiver<()>,
+}
+
+impl Http {
+    /// Stops taking connections and waits (at most `within`) for the open ones to finish.
+    fn finish(self, within: std::time::Duration) {
+        let _ = self.stop.send(());
+        if self.ended.recv_timeout(within).is_err() {
+            eprintln!("tprun serve: HTTP connections still open after {within:?}; leaving them");
+        }
+    }
+}
+
+fn http_thread(listener: std::net::TcpListener, shared: Arc<Shared>) -> std::io::Result<Http> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -208,21 +224,27 @@ fn http_thread(listener: std::net::TcpListener, shared: Arc<Shared>) -> std::io:
         .route("/v1/chat/completions", post(chat_completions))
         .fallback(not_found)
         .with_state(shared);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (ended_tx, ended) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name("tprun-http".into())
         .spawn(move || {
             rt.block_on(async move {
                 match tokio::net::TcpListener::from_std(listener) {
                     Ok(l) => {
-                        if let Err(e) = axum::serve(l, app).await {
+                        let quit = async {
+                            let _ = stopped.await;
+                        };
+                        if let Err(e) = axum::serve(l, app).with_graceful_shutdown(quit).await {
                             eprintln!("tprun serve: HTTP server stopped: {e}");
                         }
                     }
                     Err(e) => eprintln!("tprun serve: listening socket: {e}"),
                 }
-            })
+            });
+            let _ = ended_tx.send(());
         })?;
-    Ok(())
+    Ok(Http { stop, ended })
 }
 
 // ---- the engine (the job's observer) -----------------------------------------------------
@@ -232,9 +254,6 @@ struct Engine {
     rx: Receiver<Submit>,
     /// The request the ranks are generating: its id and where its tokens go.
     running: Option<(u64, UnboundedSender<Event>)>,
-    /// Taken off the channel, not yet sent (none in this one-at-a-time engine: kept for
-    /// order when a send is refused).
-    waiting: VecDeque<Submit>,
     /// Ctrl-C: the ranks were told to finish; nothing new is sent.
     stopping: bool,
 }
@@ -274,6 +293,7 @@ impl Observer for Engine {
     fn stop(&mut self, ranks: &RankConns<'_>) -> bool {
         eprintln!("tprun serve: stopping (after the running request; Ctrl-C again to abort)");
         self.stopping = true;
+        self.shared.ready.store(false, Ordering::SeqCst);
         ranks
             .send_all(&Msg::Work {
                 payload: job::encode(&Work::Shutdown),
@@ -283,20 +303,17 @@ impl Observer for Engine {
 
     fn tick(&mut self, ranks: &RankConns<'_>) -> anyhow::Result<()> {
         if self.stopping {
-            // Queued requests will not run: their handlers see the channel close.
-            while self.rx.try_recv().is_ok() {}
-            self.waiting.clear();
+            // Queued requests will not run: their handlers see their channels close.
+            while self.rx.try_recv().is_ok() {
+                self.shared.queued.fetch_sub(1, Ordering::Relaxed);
+            }
             return Ok(());
         }
         if self.running.is_some() || !self.shared.ready.load(Ordering::SeqCst) {
             return Ok(());
         }
-        let next = match self.waiting.pop_front() {
-            Some(s) => s,
-            None => match self.rx.try_recv() {
-                Ok(s) => s,
-                Err(_) => return Ok(()),
-            },
+        let Ok(next) = self.rx.try_recv() else {
+            return Ok(());
         };
         self.shared.queued.fetch_sub(1, Ordering::Relaxed);
         if next.events.is_closed() {
@@ -440,7 +457,9 @@ struct Sampling {
 }
 
 /// Parses the JSON body and the fields both endpoints take; `Err` is the answer to send.
-fn parse_common(s: &Shared, body: &Bytes) -> Result<(Value, Sampling), ApiError> {
+/// `max_tokens` defaults as OpenAI's do: 16 for a completion, the context's room for chat
+/// (where `max_completion_tokens` is its newer name).
+fn parse_common(s: &Shared, body: &Bytes, kind: Kind) -> Result<(Value, Sampling), ApiError> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| invalid("body", format!("the body is not valid JSON: {e}")))?;
     if !v.is_object() {
@@ -518,13 +537,28 @@ fn parse_common(s: &Shared, body: &Bytes) -> Result<(Value, Sampling), ApiError>
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(invalid("stream", "`stream` must be true or false")),
     };
+    let max_tokens = match kind {
+        Kind::Text => whole("max_tokens", 16, u32::MAX as u64)?,
+        Kind::Chat if v.get("max_completion_tokens").is_some_and(|x| !x.is_null()) => {
+            whole("max_completion_tokens", 0, u32::MAX as u64)?
+        }
+        Kind::Chat => whole("max_tokens", u32::MAX as u64, u32::MAX as u64)?,
+    };
+    // No seed: a different draw per request, as OpenAI's.
+    let fresh_seed = s
+        .next_id
+        .load(Ordering::Relaxed)
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        ^ SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
     let sampling = Sampling {
-        max_tokens: whole("max_tokens", 16, u32::MAX as u64)? as usize,
+        max_tokens: max_tokens as usize,
         temperature: num("temperature", 1.0, 0.0, 2.0)? as f32,
         // top_p 0 would keep nothing: the sampler takes (0, 1].
         top_p: num("top_p", 1.0, 1e-9, 1.0)? as f32,
         top_k: whole("top_k", 0, TOPK_MAX as u64)? as usize,
-        seed: whole("seed", 0, u64::MAX)?,
+        seed: whole("seed", fresh_seed, u64::MAX)?,
         stop,
         stream,
     };
@@ -532,7 +566,7 @@ fn parse_common(s: &Shared, body: &Bytes) -> Result<(Value, Sampling), ApiError>
 }
 
 async fn completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
-    let (v, sampling) = match parse_common(&s, &body) {
+    let (v, sampling) = match parse_common(&s, &body, Kind::Text) {
         Ok(x) => x,
         Err(e) => return e.into_response(),
     };
@@ -555,7 +589,7 @@ async fn completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
 }
 
 async fn chat_completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
-    let (v, sampling) = match parse_common(&s, &body) {
+    let (v, sampling) = match parse_common(&s, &body, Kind::Chat) {
         Ok(x) => x,
         Err(e) => return e.into_response(),
     };
@@ -721,6 +755,22 @@ async fn generate(s: Arc<Shared>, ids: Vec<u32>, sp: Sampling, kind: Kind) -> Re
         top_p: sp.top_p,
         seed: sp.seed,
     };
+    // The request travels to every rank in one frame.
+    let frame = job::encode(&Work::Generate(req.clone())).len();
+    if frame + 64 > tprun_ipc::wire::MAX_FRAME {
+        return error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            Some("prompt"),
+            Some("prompt_too_large"),
+            format!(
+                "the prompt is {} tokens: {frame} bytes for the ranks, over the {} a message \
+                 may carry",
+                req.prompt.len(),
+                tprun_ipc::wire::MAX_FRAME
+            ),
+        );
+    }
     s.queued.fetch_add(1, Ordering::Relaxed);
     match s.queue.try_send(Submit { req, events: tx }) {
         Ok(()) => {}

@@ -422,6 +422,8 @@ TP_DEV void q4k_load(const u32* wp, const u16* sp, const u32* zp, u32 wstride, u
     }
 }
 
+// blockDim.x is a whole number of waves (the launcher rounds kq / 32 up to one): `waves`
+// below counts them, and every wave takes part in the shuffles.
 template <int RB, bool SILU>
 TP_DEV void gemv_q4_k_body(const GemvQ4Params& p) {
     constexpr int L = RB == 1 ? 0 : RB == 2 ? 1 : RB == 4 ? 2 : RB == 8 ? 3 : 4;
