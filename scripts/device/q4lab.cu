@@ -661,6 +661,112 @@ __global__ void __launch_bounds__(M_W * 32, 1) lab_m2(const GemvQ4Params p) {
     }
 }
 
+// M3: two units in flight per wave with independent accumulators (the M2 figures showed the
+// four MMAs of a unit as one dependent chain, 9–11 cycles per issued instruction): 4 waves per
+// block, each taking slices in pairs (sl, sl + 4), both in the same tile since 8 divides S
+// for the 27B shapes (40, 136); the next pair's loads issued before the current pair is
+// computed.
+#define M3_W 4
+struct MPair {
+    MUnit u[2];
+};
+
+TP_DEV void m3_unit(const MUnit& cur, u32 sl, const uint2* sb, const int* ssum, const float* sinv,
+                    const u32* sgz, u32 g, u32 t, float f0, float f1, u32 (&c)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint2 b = g < 4 ? sb[((sl * 4 + i) * 4 + g) * 4 + t] : make_uint2(0, 0);
+        m_mma(c, cur.wg.w[i] & 0x0f0f0f0fu, cur.wg8.w[i] & 0x0f0f0f0fu,
+              (cur.wg.w[i] >> 4) & 0x0f0f0f0fu, (cur.wg8.w[i] >> 4) & 0x0f0f0f0fu, b.x, b.y);
+    }
+}
+
+TP_DEV void m3_epi(const MUnit& cur, u32 sl, const u32 (&c)[4], const int* ssum, const float* sinv,
+                   const u32* sgz, u32 t, float f0, float f1, float& acc0, float& acc1) {
+    const u32 zs = sgz[sl] >> 24;
+    const int s0 = t < 2 ? ssum[sl * 4 + 2 * t] : 0, s1 = t < 2 ? ssum[sl * 4 + 2 * t + 1] : 0;
+    const float inv = sinv[sl];
+    const int zg = (cur.zg >> zs) & 0xf, zg8 = (cur.zg8 >> zs) & 0xf;
+    acc0 = fmaf(q4_scale(cur.sg) * inv,
+                fmaf(f0, m_exact((int)c[0] - zg * s0), f1 * m_exact((int)c[1] - zg * s1)), acc0);
+    acc1 = fmaf(q4_scale(cur.sg8) * inv,
+                fmaf(f0, m_exact((int)c[2] - zg8 * s0), f1 * m_exact((int)c[3] - zg8 * s1)), acc1);
+}
+
+template <bool SILU>
+__global__ void __launch_bounds__(M3_W * 32, 1) lab_m3(const GemvQ4Params p) {
+    extern __shared__ uint2 msm[];
+    const u32 S = p.kq / 128;
+    uint2* sb = msm;
+    int* ssum = (int*)(sb + S * 64);
+    float* sinv = (float*)(ssum + S * 4);
+    u32* sgz = (u32*)(sinv + S);
+    __shared__ float red[2][M3_W][16];
+    const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const u32 g = lane / 4, t = lane % 4;
+    const u32 tiles = (p.n + 15) / 16;
+    if (blockIdx.x >= tiles || S % (2 * M3_W) != 0) return;
+    u32 tile = blockIdx.x, sl = warp;  // the pair (sl, sl + M3_W)
+    MRows rows = m_rows(p, tile, g, t), rows2 = rows;
+    MPair A, B;
+    m_load(rows, sl, sl * 128 / p.group, A.u[0]);
+    m_load(rows, sl + M3_W, (sl + M3_W) * 128 / p.group, A.u[1]);
+    tp_pdl_wait();
+    m_stage<SILU>(p, sb, ssum, sinv, sgz);
+    __syncthreads();
+    const float f0 = t == 0 ? 0x1p24f : t == 1 ? 0x1p8f : 0.0f;
+    const float f1 = t == 0 ? 0x1p16f : t == 1 ? 1.0f : 0.0f;
+    float acc0 = 0.0f, acc1 = 0.0f;
+    u32 slot = 0;
+    auto step = [&](MPair& cur, MPair& nxt) -> bool {
+        u32 tile2 = tile, sl2 = sl + 2 * M3_W;
+        const bool last = sl2 >= S;
+        if (last) {
+            tile2 += gridDim.x;
+            sl2 = warp;
+        }
+        const bool more = tile2 < tiles;
+        if (last && more) rows2 = m_rows(p, tile2, g, t);
+        if (more) {
+            m_load(rows2, sl2, sgz[sl2], nxt.u[0]);
+            m_load(rows2, sl2 + M3_W, sgz[sl2 + M3_W], nxt.u[1]);
+        }
+        u32 c0[4] = {0, 0, 0, 0}, c1[4] = {0, 0, 0, 0};
+        m3_unit(cur.u[0], sl, sb, ssum, sinv, sgz, g, t, f0, f1, c0);
+        m3_unit(cur.u[1], sl + M3_W, sb, ssum, sinv, sgz, g, t, f0, f1, c1);
+        m3_epi(cur.u[0], sl, c0, ssum, sinv, sgz, t, f0, f1, acc0, acc1);
+        m3_epi(cur.u[1], sl + M3_W, c1, ssum, sinv, sgz, t, f0, f1, acc0, acc1);
+        if (last) {
+            acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
+            acc0 += __shfl_xor_sync(0xffffffffu, acc0, 2);
+            acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
+            acc1 += __shfl_xor_sync(0xffffffffu, acc1, 2);
+            if (t == 0) {
+                red[slot][warp][g] = acc0;
+                red[slot][warp][g + 8] = acc1;
+            }
+            acc0 = acc1 = 0.0f;
+            __syncthreads();
+            if (threadIdx.x < 16) {
+                float sum = 0.0f;
+#pragma unroll
+                for (int w = 0; w < M3_W; ++w) sum += red[slot][w][threadIdx.x];
+                const u32 row = tile * 16 + threadIdx.x;
+                if (row < p.n) ((float*)p.y)[row] = sum;
+            }
+            slot ^= 1;
+        }
+        tile = tile2;
+        sl = sl2;
+        rows = rows2;
+        return more;
+    };
+    for (;;) {
+        if (!step(A, B)) break;
+        if (!step(B, A)) break;
+    }
+}
+
 // ---- ceilings ------------------------------------------------------------------------------
 __global__ void read_kernel(const uint4* a, u64 n, u32* out) {
     u32 h = 0;
@@ -695,6 +801,8 @@ template __global__ void lab_m<true>(const GemvQ4Params);
 template __global__ void lab_m2<false, 4, 16>(const GemvQ4Params);
 template __global__ void lab_m2<false, 8, 16>(const GemvQ4Params);
 template __global__ void lab_m2<true, 8, 8>(const GemvQ4Params);
+template __global__ void lab_m3<false>(const GemvQ4Params);
+template __global__ void lab_m3<true>(const GemvQ4Params);
 #endif
 
 // ---- host ----------------------------------------------------------------------------------
@@ -956,6 +1064,24 @@ int main(int argc, char** argv) {
                               }});
             }
         };
+        {
+            auto kern = sh.silu ? lab_m3<true> : lab_m3<false>;
+            const u32 S = kq / 128;
+            const u32 smem = S * 64 * 8 + S * 4 * 4 + S * 4 + S * 4;
+            CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+            int per_sm = 0;
+            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, M3_W * 32, smem));
+            const u32 tiles = (sh.n + 15) / 16;
+            for (int bps : {2, 4, per_sm}) {
+                if (bps > per_sm) continue;
+                const u32 grid = std::min<u32>(tiles, bps * sms);
+                vs.push_back({"M3 w4 pairs " + std::to_string(bps) + "/SM (max " +
+                                  std::to_string(per_sm) + ") grid " + std::to_string(grid),
+                              true, [=](const GemvQ4Params& p, cudaStream_t s) {
+                                  kern<<<grid, M3_W * 32, smem, s>>>(p);
+                              }});
+            }
+        }
         if (sh.silu) {
             add_m2(lab_m2<true, 4, 16>, "M2 D4 TR16", 16);
             add_m2(lab_m2<true, 8, 16>, "M2 D8 TR16", 16);
