@@ -67,7 +67,13 @@ struct Shared {
     requests: AtomicU64,
     tokens: AtomicU64,
     queued: AtomicU64,
+    /// Sequences the ranks are generating (0 or 1 until batching).
+    running: AtomicU64,
     next_id: AtomicU64,
+    /// From a request's arrival to its first token reaching the server.
+    ttft: Histogram,
+    /// Between consecutive tokens of one request.
+    itl: Histogram,
 }
 
 struct ChatTemplate {
@@ -78,6 +84,45 @@ struct ChatTemplate {
 
 /// Requests that may wait for the ranks; one more is a 503.
 const QUEUE: usize = 64;
+
+/// Upper bounds (seconds) of the latency histograms' buckets (Prometheus `le`).
+const BUCKETS: [f64; 13] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// A Prometheus histogram of seconds, filled from any thread.
+#[derive(Default)]
+struct Histogram {
+    /// Observations at or below each bound (not cumulative; summed when rendered).
+    counts: [AtomicU64; BUCKETS.len()],
+    count: AtomicU64,
+    sum_ns: AtomicU64,
+}
+
+impl Histogram {
+    fn observe(&self, d: std::time::Duration) {
+        let secs = d.as_secs_f64();
+        if let Some(i) = BUCKETS.iter().position(|&b| secs <= b) {
+            self.counts[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_ns
+            .fetch_add(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+    }
+
+    fn render(&self, name: &str, out: &mut String) {
+        out.push_str(&format!("# TYPE {name} histogram\n"));
+        let mut cum = 0;
+        for (b, c) in BUCKETS.iter().zip(&self.counts) {
+            cum += c.load(Ordering::Relaxed);
+            out.push_str(&format!("{name}_bucket{{le=\"{b}\"}} {cum}\n"));
+        }
+        let count = self.count.load(Ordering::Relaxed);
+        out.push_str(&format!("{name}_bucket{{le=\"+Inf\"}} {count}\n"));
+        let sum = self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
+        out.push_str(&format!("{name}_sum {sum}\n{name}_count {count}\n"));
+    }
+}
 
 pub fn run(settings: &Settings, args: &ServeArgs) -> Result<i32, JobError> {
     let usage = |m: String| JobError::Usage(m);
@@ -135,7 +180,10 @@ pub fn run(settings: &Settings, args: &ServeArgs) -> Result<i32, JobError> {
         requests: AtomicU64::new(0),
         tokens: AtomicU64::new(0),
         queued: AtomicU64::new(0),
+        running: AtomicU64::new(0),
         next_id: AtomicU64::new(1),
+        ttft: Histogram::default(),
+        itl: Histogram::default(),
     });
     let http =
         http_thread(listener, shared.clone()).map_err(|e| bad(format!("HTTP server: {e}")))?;
@@ -269,6 +317,7 @@ impl Observer for Engine {
                 eprintln!("tprun serve: ready");
             }
             Report::Served { id, stopped, .. } => {
+                self.shared.running.store(0, Ordering::Relaxed);
                 if let Some((rid, tx)) = self.running.take() {
                     debug_assert_eq!(rid, id);
                     let _ = tx.send(Event::Done { stopped });
@@ -322,6 +371,7 @@ impl Observer for Engine {
         let payload = job::encode(&Work::Generate(next.req.clone()));
         ranks.send_all(&Msg::Work { payload })?;
         self.running = Some((next.req.id, next.events));
+        self.shared.running.store(1, Ordering::Relaxed);
         Ok(())
     }
 }
@@ -414,16 +464,21 @@ async fn health(State(s): State<Arc<Shared>>) -> Response {
 }
 
 async fn metrics(State(s): State<Arc<Shared>>) -> Response {
-    let text = format!(
+    let mut text = format!(
         "# TYPE tprun_requests_total counter\ntprun_requests_total {}\n\
          # TYPE tprun_generated_tokens_total counter\ntprun_generated_tokens_total {}\n\
          # TYPE tprun_queue_depth gauge\ntprun_queue_depth {}\n\
+         # TYPE tprun_batch_size gauge\ntprun_batch_size {}\n\
          # TYPE tprun_ready gauge\ntprun_ready {}\n",
         s.requests.load(Ordering::Relaxed),
         s.tokens.load(Ordering::Relaxed),
         s.queued.load(Ordering::Relaxed),
+        s.running.load(Ordering::Relaxed),
         u8::from(s.ready.load(Ordering::SeqCst)),
     );
+    s.ttft
+        .render("tprun_time_to_first_token_seconds", &mut text);
+    s.itl.render("tprun_inter_token_latency_seconds", &mut text);
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
@@ -725,6 +780,7 @@ impl StopText {
 }
 
 async fn generate(s: Arc<Shared>, ids: Vec<u32>, sp: Sampling, kind: Kind) -> Response {
+    let arrived = std::time::Instant::now();
     if ids.is_empty() {
         return invalid("prompt", "the prompt encodes to no tokens").into_response();
     }
@@ -807,6 +863,7 @@ async fn generate(s: Arc<Shared>, ids: Vec<u32>, sp: Sampling, kind: Kind) -> Re
         s,
         rx,
         prompt_len,
+        last: arrived,
         text: TextStream::new(),
         stop: StopText::new(sp.stop),
         generated: 0,
@@ -831,6 +888,8 @@ struct Gen {
     s: Arc<Shared>,
     rx: UnboundedReceiver<Event>,
     prompt_len: usize,
+    /// When the request arrived, then when its last token did.
+    last: std::time::Instant,
     text: TextStream,
     stop: StopText,
     generated: usize,
@@ -850,6 +909,14 @@ impl Gen {
     async fn next(&mut self) -> Step {
         match self.rx.recv().await {
             Some(Event::Token(t)) => {
+                let now = std::time::Instant::now();
+                let h = if self.generated == 0 {
+                    &self.s.ttft
+                } else {
+                    &self.s.itl
+                };
+                h.observe(now - self.last);
+                self.last = now;
                 self.generated += 1;
                 let piece = self
                     .text

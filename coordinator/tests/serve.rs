@@ -220,8 +220,8 @@ fn check_server(world: usize, model: Option<&Path>) {
         assert_eq!(text, want);
         assert!(done && !reason.is_empty(), "{body}");
     }
-    // Concurrent streams of different lengths each get what they get alone.
-    let alone: Vec<String> = (0..6)
+    // 16 concurrent streams of different lengths each get what they get alone.
+    let alone: Vec<String> = (0..16)
         .map(|i| {
             let v = srv.json(
                 "/v1/completions",
