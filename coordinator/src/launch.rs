@@ -142,6 +142,11 @@ pub trait Observer {
     fn stop(&mut self, _ranks: &RankConns<'_>) -> bool {
         false
     }
+    /// How often the supervisor wakes with nothing to handle: it then drains the token ring
+    /// and calls [`Observer::tick`]. A server wants tokens sooner than a terminal does.
+    fn tick_interval(&self) -> Duration {
+        TICK
+    }
 }
 
 /// The connections of a job's ranks, for [`Observer::tick`].
@@ -332,7 +337,7 @@ impl Supervisor<'_> {
         observer: &mut dyn Observer,
     ) -> Result<(), JobError> {
         loop {
-            match rx.recv_timeout(TICK) {
+            match rx.recv_timeout(observer.tick_interval()) {
                 Ok(ev) => {
                     // Tokens a rank published before sending a message reach the observer
                     // before the message (`serve` ends a request on a report).
