@@ -149,12 +149,17 @@ pub trait Observer {
     }
 }
 
-/// The connections of a job's ranks, for [`Observer::tick`].
+/// The connections of a job's ranks and its control block, for [`Observer::tick`].
 pub struct RankConns<'a> {
     conns: Vec<&'a Conn>,
+    control: &'a ControlBlock,
 }
 
 impl RankConns<'_> {
+    pub fn control(&self) -> &ControlBlock {
+        self.control
+    }
+
     /// Sends `msg` to every rank, in rank order.
     pub fn send_all(&self, msg: &Msg) -> anyhow::Result<()> {
         for (r, c) in self.conns.iter().enumerate() {
@@ -360,7 +365,10 @@ impl Supervisor<'_> {
                     .filter_map(|r| r.conn.as_deref())
                     .collect();
                 if conns.len() == self.launch.world {
-                    let ranks = RankConns { conns };
+                    let ranks = RankConns {
+                        conns,
+                        control: &self.control,
+                    };
                     if interrupted && !self.stopping && observer.stop(&ranks) {
                         self.stopping = true;
                         interrupt_handled = true;

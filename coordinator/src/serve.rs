@@ -9,9 +9,12 @@
 //! `Report::Served` ends it. The handler turns tokens into text (incrementally, honouring
 //! `stop` strings) and answers as JSON or as server-sent events.
 //!
-//! Not yet (issue 12): continuous batching (`--max-batch`), cancelling a sequence when its
-//! client goes away (the ranks run it to its end; the text is dropped), `--listen` for ranks
-//! in other containers.
+//! A request whose handler is gone (its client disconnected, or a stop string ended its text)
+//! is cancelled through the control block: the ranks end it within a few tokens and go on to
+//! the next (`tprun_cancelled_total` counts them).
+//!
+//! Not yet (issue 12): continuous batching (`--max-batch`), `--listen` for ranks in other
+//! containers.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -69,6 +72,8 @@ struct Shared {
     queued: AtomicU64,
     /// Sequences the ranks are generating (0 or 1 until batching).
     running: AtomicU64,
+    /// Requests ended early because their client left or a stop string ended them.
+    cancelled: AtomicU64,
     next_id: AtomicU64,
     /// From a request's arrival to its first token reaching the server.
     ttft: Histogram,
@@ -181,6 +186,7 @@ pub fn run(settings: &Settings, args: &ServeArgs) -> Result<i32, JobError> {
         tokens: AtomicU64::new(0),
         queued: AtomicU64::new(0),
         running: AtomicU64::new(0),
+        cancelled: AtomicU64::new(0),
         next_id: AtomicU64::new(1),
         ttft: Histogram::default(),
         itl: Histogram::default(),
@@ -204,6 +210,7 @@ pub fn run(settings: &Settings, args: &ServeArgs) -> Result<i32, JobError> {
         shared,
         rx,
         running: None,
+        cancelling: false,
         stopping: false,
     };
     let result = crate::launch::run(settings.launch(Task::Serve(spec)), &mut engine);
@@ -302,6 +309,8 @@ struct Engine {
     rx: Receiver<Submit>,
     /// The request the ranks are generating: its id and where its tokens go.
     running: Option<(u64, UnboundedSender<Event>)>,
+    /// Its early end has been asked for (its handler is gone).
+    cancelling: bool,
     /// Ctrl-C: the ranks were told to finish; nothing new is sent.
     stopping: bool,
 }
@@ -318,6 +327,9 @@ impl Observer for Engine {
             }
             Report::Served { id, stopped, .. } => {
                 self.shared.running.store(0, Ordering::Relaxed);
+                if std::mem::take(&mut self.cancelling) {
+                    self.shared.cancelled.fetch_add(1, Ordering::Relaxed);
+                }
                 if let Some((rid, tx)) = self.running.take() {
                     debug_assert_eq!(rid, id);
                     let _ = tx.send(Event::Done { stopped });
@@ -357,6 +369,14 @@ impl Observer for Engine {
     }
 
     fn tick(&mut self, ranks: &RankConns<'_>) -> anyhow::Result<()> {
+        // A running request whose handler is gone (client disconnected, or a stop string
+        // ended its text): the ranks end it early and take the next one.
+        if let Some((id, tx)) = &self.running {
+            if tx.is_closed() && !self.cancelling {
+                ranks.control().request_cancel(*id);
+                self.cancelling = true;
+            }
+        }
         if self.stopping {
             // Queued requests will not run: their handlers see their channels close.
             while self.rx.try_recv().is_ok() {
@@ -475,11 +495,13 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
          # TYPE tprun_generated_tokens_total counter\ntprun_generated_tokens_total {}\n\
          # TYPE tprun_queue_depth gauge\ntprun_queue_depth {}\n\
          # TYPE tprun_batch_size gauge\ntprun_batch_size {}\n\
+         # TYPE tprun_cancelled_total counter\ntprun_cancelled_total {}\n\
          # TYPE tprun_ready gauge\ntprun_ready {}\n",
         s.requests.load(Ordering::Relaxed),
         s.tokens.load(Ordering::Relaxed),
         s.queued.load(Ordering::Relaxed),
         s.running.load(Ordering::Relaxed),
+        s.cancelled.load(Ordering::Relaxed),
         u8::from(s.ready.load(Ordering::SeqCst)),
     );
     s.ttft
@@ -932,8 +954,7 @@ impl Gen {
                     .unwrap_or_default();
                 let (out, stopped) = self.stop.push(&piece);
                 if stopped {
-                    // The ranks go on to the end of the budget (cancelling is not built yet);
-                    // what they make is dropped with this channel.
+                    // Closing the channel makes the engine cancel the rest on the ranks.
                     self.rx.close();
                     return Step::End(out, "stop");
                 }

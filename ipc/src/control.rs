@@ -8,7 +8,9 @@
 //! - abort word: 0 while running, else `reason << 16 | (rank + 1)` (rank 0 = none), set once;
 //! - barrier: arrival count and generation (sense reversal by generation number);
 //! - per-rank slots: pid, phase, heartbeat, error code, barriers arrived at;
-//! - token ring: rank 0 appends generated token ids, the coordinator consumes them.
+//! - token ring: rank 0 appends generated token ids, the coordinator consumes them;
+//! - serve's early stop: the request the coordinator wants ended, and rank 0's decision of
+//!   the token count at which every rank ends it.
 //!
 //! Every wait here has a deadline and checks the abort word.
 
@@ -28,7 +30,7 @@ pub const MAX_RANKS: usize = 64;
 /// Token ring capacity; rank 0 waits when the coordinator falls this far behind.
 pub const RING: usize = 4096;
 const MAGIC: u64 = u64::from_le_bytes(*b"TPRUNCB1");
-const LAYOUT_VERSION: u32 = 1;
+const LAYOUT_VERSION: u32 = 2;
 /// Longest single futex sleep, so that deadlines and the abort word are checked regularly even
 /// if a wake-up is lost to a dying process.
 const MAX_SLEEP: Duration = Duration::from_millis(20);
@@ -67,6 +69,12 @@ struct Shared {
     ring_head: CachePadded<AtomicU64>,
     /// Tokens consumed so far (coordinator writes, Release).
     ring_tail: CachePadded<AtomicU64>,
+    /// `serve`: the id of the request the coordinator wants ended early (0: none).
+    cancel: CachePadded<AtomicU64>,
+    /// `serve`: rank 0's decision for request `stop_req` (0: none yet): every rank ends it
+    /// once it has `stop_count` tokens. Written count first, then id (Release).
+    stop_req: CachePadded<AtomicU64>,
+    stop_count: CachePadded<AtomicU64>,
     ring: [AtomicU32; RING],
 }
 
@@ -393,6 +401,34 @@ impl ControlBlock {
         Ok(())
     }
 
+    // ---- serve's early stop --------------------------------------------------------------
+
+    /// Asks that request `id` (never 0) end early (coordinator: its client went away or a
+    /// stop string ended its text).
+    pub fn request_cancel(&self, id: u64) {
+        self.shared().cancel.store(id, Ordering::Release);
+    }
+
+    /// The request the coordinator last asked to end (0: none). Rank 0 turns it into a
+    /// [`ControlBlock::set_stop`] all ranks follow, so they all end at the same step.
+    pub fn cancel_requested(&self) -> u64 {
+        self.shared().cancel.load(Ordering::Acquire)
+    }
+
+    /// Rank 0: every rank ends request `id` once it has `count` tokens.
+    pub fn set_stop(&self, id: u64, count: u64) {
+        let s = self.shared();
+        s.stop_count.store(count, Ordering::Relaxed);
+        // Release: the count above is visible to whoever sees this id.
+        s.stop_req.store(id, Ordering::Release);
+    }
+
+    /// The token count at which request `id` ends, once rank 0 has decided one.
+    pub fn stop_for(&self, id: u64) -> Option<u64> {
+        let s = self.shared();
+        (s.stop_req.load(Ordering::Acquire) == id).then(|| s.stop_count.load(Ordering::Relaxed))
+    }
+
     /// Moves every token appended since the last call into `out` (coordinator).
     pub fn pop_tokens(&self, out: &mut Vec<u32>) {
         let s = self.shared();
@@ -506,6 +542,21 @@ mod tests {
             Err(IpcError::Protocol(m)) => assert!(m.contains("world size 65"), "{m}"),
             other => panic!("{:?}", other.map(|c| c.world())),
         }
+    }
+
+    /// A cancel is only a request; the stop decision names its request, so a decision for
+    /// one request never stops another.
+    #[test]
+    fn early_stop_is_per_request() {
+        let cb = ControlBlock::create(2, &[7; 16]).unwrap();
+        assert_eq!(cb.cancel_requested(), 0);
+        assert_eq!(cb.stop_for(5), None);
+        cb.request_cancel(5);
+        assert_eq!(cb.cancel_requested(), 5);
+        assert_eq!(cb.stop_for(5), None);
+        cb.set_stop(5, 12);
+        assert_eq!(cb.stop_for(5), Some(12));
+        assert_eq!(cb.stop_for(6), None);
     }
 
     #[test]

@@ -3,8 +3,10 @@
 //!
 //! Every rank receives the same requests in the same order and runs them in lockstep (the
 //! same sampler seed per request, so the same tokens); rank 0 publishes the tokens through the
-//! control block's token ring and reports the end of each request. A rank waiting for work
-//! beats, so an idle server is not taken for a stalled job.
+//! control block's token ring and reports the end of each request. A request the coordinator
+//! cancels (through the control block) ends early at a token count rank 0 picks and every
+//! rank follows. A rank waiting for work beats, so an idle server is not taken for a stalled
+//! job.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,6 +20,10 @@ use crate::job::{self, Backend, GenRequest, Report, ServeSpec, Work};
 use crate::model::{generate, GenerateOptions, Model, SamplerConfig};
 use crate::run::RankCtx;
 use crate::{Phase, RankError};
+
+/// Tokens past rank 0's sight of a cancel at which every rank ends the request (see
+/// `serve_one`).
+const EARLY_STOP_MARGIN: u64 = 3;
 
 pub fn run<D: Device>(
     ctx: &RankCtx,
@@ -94,17 +100,28 @@ fn serve_one<D: Device>(
     };
     let control = ctx.control.clone();
     let rank = ctx.rank;
-    let mut first = true;
+    // Tokens so far; whether rank 0 has decided this request's early end.
+    let mut n = 0u64;
+    let mut decided = false;
     let stats = generate(model, comm, &sampler, &req.prompt, &gen, &mut |id| {
-        if first {
-            first = false;
+        if n == 0 {
             ctx.enter(Phase::Decode);
         }
+        n += 1;
         if rank == 0 {
             control.push_token(id, timeout)?;
+            // The coordinator asked for an early end (its client went away, or a stop
+            // string ended the text). Every rank must end at the same step, and another may
+            // already be up to two tokens ahead of this one (a GPU rank reads token i while
+            // step i + 1 runs, and no rank finishes a step before rank 0 has launched it):
+            // so all end at n + 3, which none has passed.
+            if !decided && control.cancel_requested() == req.id {
+                control.set_stop(req.id, n + EARLY_STOP_MARGIN);
+                decided = true;
+            }
         }
         control.beat(rank);
-        Ok(true)
+        Ok(control.stop_for(req.id).is_none_or(|at| n < at))
     })?;
     if rank == 0 {
         report(
