@@ -202,18 +202,6 @@ pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-pub fn parse_hex_token(s: &str) -> Option<[u8; 16]> {
-    let s = s.trim();
-    if s.len() != 32 {
-        return None;
-    }
-    let mut t = [0u8; 16];
-    for (i, b) in t.iter_mut().enumerate() {
-        *b = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
-    Some(t)
-}
-
 struct RankState {
     pid: u32,
     /// Until the waiter thread reports the exit.

@@ -322,7 +322,7 @@ fn run_rank(args: &cli::RankArgs) -> i32 {
             .map_err(|_| "no job token: set TPRUN_JOB_TOKEN or pass --token-file".to_string()),
     }
     .and_then(|t| {
-        launch::parse_hex_token(&t).ok_or_else(|| "the job token is not 32 hex digits".into())
+        tprun_rank::run::parse_token(&t).ok_or_else(|| "the job token is not 32 hex digits".into())
     });
     let token = match token {
         Ok(t) => t,

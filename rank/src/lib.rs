@@ -1,7 +1,7 @@
 //! tprun-rank: one rank of a tprun job.
 //!
 //! Owns joining a job, the communicator (peer buffers + allreduce algorithms), the model shard
-//! and sampling, and the library API for embedding a rank in another program ([`run::run`]).
+//! and sampling, and the library API for embedding a rank in another program ([`join`]).
 //!
 //! Must not: print to the terminal (it logs through `tracing` and reports to the coordinator)
 //! or parse command-line flags.
@@ -25,3 +25,4 @@ pub mod serve;
 pub use collective::Collectives;
 pub use error::{FailKind, Failure, RankError};
 pub use phase::Phase;
+pub use run::join_job as join;

@@ -2,7 +2,7 @@
 //! report. The library entry point for embedding a rank in another program is [`run`].
 
 use std::os::fd::OwnedFd;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -66,6 +66,67 @@ impl RankCtx {
             out
         })
     }
+}
+
+/// A job token as `TPRUN_JOB_TOKEN` and token files spell it: 32 hex digits (surrounding
+/// white space ignored).
+pub fn parse_token(s: &str) -> Option<[u8; 16]> {
+    let s = s.trim();
+    if s.len() != 32 {
+        return None;
+    }
+    let mut t = [0u8; 16];
+    for (i, b) in t.iter_mut().enumerate() {
+        *b = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(t)
+}
+
+/// Embeds rank `rank` of a tprun job in this process: connects to the coordinator's
+/// rendezvous socket, proves it belongs to the job with `token` (32 hex digits, as the
+/// coordinator's `TPRUN_JOB_TOKEN`), takes its plan (the task, the device, every setting the
+/// ranks must agree on) and runs its share to the end: the same code as `tprun rank --join`.
+/// Returns when the job is done; an error says why (`is_join()`: never admitted, so the
+/// coordinator knows nothing of it; `is_abort()`: another part of the job failed first).
+///
+/// The process should have nothing else on the device the plan names, and must not call this
+/// twice at once: a rank uses its device and the job's control block as its own.
+///
+/// ```
+/// // No coordinator listens here: the rank says so as a join error and returns.
+/// let err = tprun_rank::join(
+///     std::path::Path::new("/nonexistent/tprun-rendezvous"),
+///     0,
+///     "00112233445566778899aabbccddeeff",
+/// )
+/// .unwrap_err();
+/// assert!(err.is_join(), "{err}");
+/// assert!(err.to_string().contains("/nonexistent/tprun-rendezvous"));
+/// ```
+///
+/// Embedded in a server's own binary, given the address and token the coordinator printed:
+///
+/// ```no_run
+/// let socket = std::env::var("TPRUN_JOIN").expect("the coordinator's socket");
+/// let token = std::env::var("TPRUN_JOB_TOKEN").expect("the job token");
+/// let rank: usize = std::env::var("TPRUN_RANK").map_or(0, |r| r.parse().unwrap());
+/// if let Err(e) = tprun_rank::join(std::path::Path::new(&socket), rank, &token) {
+///     eprintln!("rank {rank}: {e}");
+///     std::process::exit(if e.is_abort() { 3 } else { 1 });
+/// }
+/// ```
+pub fn join_job(socket: &Path, rank: usize, token: &str) -> Result<(), RankError> {
+    let token = parse_token(token).ok_or_else(|| {
+        RankError::Join(format!(
+            "rank {rank}: the job token is not 32 hex digits (joining {})",
+            socket.display()
+        ))
+    })?;
+    run(RankOptions {
+        socket: socket.to_path_buf(),
+        rank,
+        token,
+    })
 }
 
 /// Joins the job at `opts.socket` and runs this rank's share of it to the end.
