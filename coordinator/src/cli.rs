@@ -206,6 +206,13 @@ pub struct ServeArgs {
     /// one (off), as `decode`.
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     pub graph: String,
+
+    /// Do not start the ranks: wait for --ranks of them, started elsewhere (other containers
+    /// or machines' namespaces) with `tprun rank --join SOCKET --rank I [--device D]`, to
+    /// join at this socket path. It must not exist; it is removed once all have joined. The
+    /// job token comes from TPRUN_JOB_TOKEN (32 hex digits) or is made up and printed.
+    #[arg(long, value_name = "SOCKET")]
+    pub listen: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -351,8 +358,8 @@ pub struct RankArgs {
     pub join: PathBuf,
 
     /// This rank's number (0-based). Everything else (its device, the job's settings) comes
-    /// from the coordinator's plan; a GPU rank uses the one GPU it sees first (set
-    /// CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES, or give its container one GPU).
+    /// from the coordinator's plan; a GPU rank uses the one GPU it sees first (--device, or
+    /// CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES, or a container with one GPU).
     #[arg(long, allow_hyphen_values = true,
           value_parser = whole::<usize>(0, MAX_RANKS as u64 - 1))]
     pub rank: usize,
@@ -360,6 +367,12 @@ pub struct RankArgs {
     /// File holding the job token (hex). Default: the TPRUN_JOB_TOKEN environment variable.
     #[arg(long)]
     pub token_file: Option<PathBuf>,
+
+    /// The GPU this rank uses (sets CUDA_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES for this
+    /// process): for a rank started by hand on a machine with several GPUs.
+    #[arg(long, allow_hyphen_values = true,
+          value_parser = whole::<usize>(0, MAX_DEVICE as u64))]
+    pub device: Option<usize>,
 }
 
 #[derive(Args, Debug)]

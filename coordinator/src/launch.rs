@@ -4,6 +4,11 @@
 //! abstract name (no file; it vanishes with the listening socket, and stops accepting once
 //! every rank has joined), shared memory is memfds, ranks die with the coordinator
 //! (PDEATHSIG), and a failed job's ranks are stopped with SIGTERM, then SIGKILL.
+//!
+//! A job may instead wait for ranks started elsewhere ([`Listen`], `serve --listen`): in other
+//! containers or namespaces, joining at a socket path with the job token. Those ranks are
+//! not our children: the control block's abort is how we stop them, and a dropped connection
+//! is how we learn that one died.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
@@ -33,6 +38,8 @@ const KILL_GRACE: Duration = Duration::from_millis(500);
 const CLOSE_GRACE: Duration = Duration::from_millis(500);
 /// The supervisor's tick: how often it looks at the token ring, heartbeats and signals.
 const TICK: Duration = Duration::from_millis(5);
+/// How often a `--listen` job that is still missing ranks names them.
+const LISTEN_REMINDER: Duration = Duration::from_secs(30);
 
 /// Set by SIGINT/SIGTERM handlers; the supervisor then aborts the job and cleans up.
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -124,6 +131,16 @@ pub struct Launch {
     pub devices: Vec<usize>,
     pub timeout: Duration,
     pub spec: JobSpec,
+    /// Wait for ranks started elsewhere to join here instead of spawning them.
+    pub listen: Option<Listen>,
+}
+
+/// Where ranks started elsewhere join a job, and the token they must show.
+pub struct Listen {
+    /// A filesystem path for the rendezvous socket; it must not exist yet, and it is removed
+    /// once every rank has joined (or the job ends first).
+    pub path: PathBuf,
+    pub token: [u8; 16],
 }
 
 /// Callbacks the command gets while the job runs.
@@ -171,10 +188,12 @@ impl RankConns<'_> {
 }
 
 enum Event {
-    Joined(usize, Arc<Conn>),
+    /// Rank r's connection, and its pid as the kernel saw it (0 if unknown).
+    Joined(usize, Arc<Conn>, u32),
     /// A message from rank r on connection `id` (the address of its `Conn`).
     Msg(usize, usize, Msg, Vec<OwnedFd>),
-    Closed(usize),
+    /// Rank r's connection `id` closed.
+    Closed(usize, usize),
     Exited(usize, ExitStatus),
 }
 
@@ -191,7 +210,7 @@ fn rendezvous_name() -> anyhow::Result<PathBuf> {
     )))
 }
 
-fn random_token() -> anyhow::Result<[u8; 16]> {
+pub fn random_token() -> anyhow::Result<[u8; 16]> {
     let mut t = [0u8; 16];
     let mut f = std::fs::File::open("/dev/urandom")?;
     std::io::Read::read_exact(&mut f, &mut t)?;
@@ -204,6 +223,9 @@ pub fn hex(bytes: &[u8]) -> String {
 
 struct RankState {
     pid: u32,
+    /// Started elsewhere and joined at a `--listen` socket: not our child, so it has no exit
+    /// status; its connection closing is its end.
+    remote: bool,
     /// Until the waiter thread reports the exit.
     child_alive: bool,
     /// The exit status, once known, and when it was seen. A rank is judged only once its
@@ -225,10 +247,18 @@ struct RankState {
 pub fn run(launch: Launch, observer: &mut dyn Observer) -> Result<(), JobError> {
     install_signal_handlers();
     let world = launch.world;
-    let token = random_token().map_err(|e| anyhow::anyhow!("reading /dev/urandom: {e}"))?;
-    let sock_path = rendezvous_name()?;
+    let (token, sock_path, socket_file) = match &launch.listen {
+        // Bind fails if the path exists (checked sooner, in serve's `join_point`).
+        Some(l) => (l.token, l.path.clone(), Some(l.path.clone())),
+        None => {
+            let t = random_token().map_err(|e| anyhow::anyhow!("reading /dev/urandom: {e}"))?;
+            (t, rendezvous_name()?, None)
+        }
+    };
     let listener =
         Listener::bind(&sock_path).map_err(|e| anyhow::anyhow!("rendezvous socket: {e}"))?;
+    // From here on the acceptor owns the socket file: it removes it when it stops.
+    let socket_file = SocketFile(socket_file);
     let control = Arc::new(
         ControlBlock::create(world, &token)
             .map_err(|e| anyhow::anyhow!("control block: {e}"))?
@@ -250,20 +280,33 @@ pub fn run(launch: Launch, observer: &mut dyn Observer) -> Result<(), JobError> 
     let accepting = Arc::new(AtomicBool::new(true));
     let ours = OurRanks::default();
     let acceptor = spawn_acceptor(
-        listener,
-        token,
-        world,
+        Acceptor {
+            listener,
+            socket_file,
+            token,
+            world,
+            // The abstract socket has no permissions of its own: the uid check is its gate. A
+            // socket file's permissions are the listening one's, and ranks in other containers
+            // may have other uids: the token is the gate.
+            check_uid: launch.listen.is_none(),
+            ours: ours.clone(),
+        },
         tx.clone(),
         accepting.clone(),
-        ours.clone(),
     );
 
     let mut ranks: Vec<RankState> = Vec::with_capacity(world);
     for (r, &device) in launch.devices.iter().enumerate() {
-        match spawn_rank(r, device, &sock_path, &token, tx.clone()).inspect(|&pid| ours.add(pid)) {
+        let spawned = if launch.listen.is_some() {
+            Ok(0)
+        } else {
+            spawn_rank(r, device, &sock_path, &token, tx.clone()).inspect(|&pid| ours.add(pid))
+        };
+        match spawned {
             Ok(pid) => ranks.push(RankState {
                 pid,
-                child_alive: true,
+                remote: launch.listen.is_some(),
+                child_alive: launch.listen.is_none(),
                 exit: None,
                 closed: false,
                 judged: false,
@@ -297,6 +340,8 @@ pub fn run(launch: Launch, observer: &mut dyn Observer) -> Result<(), JobError> 
         last_beats: vec![0; world],
         tokens: Vec::new(),
         stopping: false,
+        failed_at: None,
+        reminded: Instant::now(),
     };
     let result = sup.supervise(&rx, observer);
     drop(sup);
@@ -321,6 +366,10 @@ struct Supervisor<'a> {
     tokens: Vec<u32>,
     /// The observer took the first interrupt ([`Observer::stop`]).
     stopping: bool,
+    /// When the job failed: remote ranks get a grace period to see the abort and hang up.
+    failed_at: Option<Instant>,
+    /// When we last said which ranks a `--listen` job still waits for.
+    reminded: Instant,
 }
 
 impl Supervisor<'_> {
@@ -398,6 +447,7 @@ impl Supervisor<'_> {
         if self.error.is_none() {
             tracing::debug!("job failed: {err}");
             self.error = Some(err);
+            self.failed_at = Some(Instant::now());
         }
         self.control.abort(reason, rank);
         stop_ranks(&self.control, &self.ranks);
@@ -410,7 +460,7 @@ impl Supervisor<'_> {
 
     fn handle(&mut self, ev: Event, observer: &mut dyn Observer) {
         match ev {
-            Event::Joined(r, conn) => self.on_join(r, conn),
+            Event::Joined(r, conn, pid) => self.on_join(r, conn, pid),
             Event::Msg(r, id, _, _)
                 if self.ranks[r].conn.as_ref().map(|c| Arc::as_ptr(c) as usize) != Some(id) =>
             {
@@ -460,9 +510,12 @@ impl Supervisor<'_> {
                     self.fail(err, AbortReason::RankFailed, Some(r));
                 }
             },
-            Event::Closed(r) => {
-                self.ranks[r].closed = true;
-                self.judge(r);
+            Event::Closed(r, id) => {
+                // A refused duplicate's connection closing says nothing of rank r.
+                if self.ranks[r].conn.as_ref().map(|c| Arc::as_ptr(c) as usize) == Some(id) {
+                    self.ranks[r].closed = true;
+                    self.judge(r);
+                }
             }
             Event::Exited(r, status) => {
                 self.ranks[r].child_alive = false;
@@ -476,6 +529,9 @@ impl Supervisor<'_> {
     /// of its connection are known (or its exit is old enough that no more messages come).
     fn judge(&mut self, r: usize) {
         let s = &self.ranks[r];
+        if s.remote {
+            return self.judge_remote(r);
+        }
         let Some((status, when)) = s.exit else { return };
         let settled = s.closed || s.conn.is_none() || when.elapsed() > CLOSE_GRACE;
         if s.judged || !settled {
@@ -500,7 +556,32 @@ impl Supervisor<'_> {
         self.fail(JobError::RankDied(m), AbortReason::RankFailed, Some(r));
     }
 
-    fn on_join(&mut self, r: usize, conn: Arc<Conn>) {
+    /// A rank started elsewhere ends when its connection does: after `Done` or `Failed` that
+    /// is its goodbye, before them it died. Once the job has failed, one that never joined, or
+    /// that does not hang up within a grace period of the abort, is let go (it is not ours to
+    /// kill; the abort stops it when it next looks).
+    fn judge_remote(&mut self, r: usize) {
+        let s = &self.ranks[r];
+        if s.judged {
+            return;
+        }
+        let given_up = self
+            .failed_at
+            .is_some_and(|t| s.conn.is_none() || t.elapsed() > KILL_GRACE * 4);
+        if !s.closed && !given_up {
+            return;
+        }
+        self.ranks[r].judged = true;
+        let s = &self.ranks[r];
+        if s.done || self.error.is_some() || s.failed.is_some() || !s.closed {
+            return;
+        }
+        let phase = self.control.phase_name(r);
+        let m = format!("{} disconnected during {phase}", self.describe(r));
+        self.fail(JobError::RankDied(m), AbortReason::RankFailed, Some(r));
+    }
+
+    fn on_join(&mut self, r: usize, conn: Arc<Conn>, pid: u32) {
         if self.ranks[r].conn.is_some() {
             let _ = conn.send(
                 &Msg::Refused {
@@ -524,6 +605,13 @@ impl Supervisor<'_> {
         self.ranks[r].conn = Some(conn);
         self.joined += 1;
         self.last_progress = Instant::now();
+        if self.ranks[r].remote {
+            self.ranks[r].pid = pid;
+            eprintln!(
+                "tprun: rank {r} joined (pid {pid}); {} of {}",
+                self.joined, self.launch.world
+            );
+        }
         if self.joined == self.launch.world {
             // Everyone is in: nothing else may join (the acceptor stops and drops the
             // listener, which frees the name).
@@ -595,10 +683,18 @@ impl Supervisor<'_> {
         }
         let timeout = self.launch.timeout;
         if self.joined < self.launch.world {
+            let missing: Vec<usize> = (0..self.launch.world)
+                .filter(|&r| self.ranks[r].conn.is_none())
+                .collect();
+            if self.launch.listen.is_some() {
+                // Ranks started by hand or by an orchestrator may take any time to come.
+                if self.reminded.elapsed() > LISTEN_REMINDER {
+                    self.reminded = Instant::now();
+                    eprintln!("tprun: still waiting for rank(s) {missing:?} to join");
+                }
+                return;
+            }
             if self.started.elapsed() > timeout {
-                let missing: Vec<usize> = (0..self.launch.world)
-                    .filter(|&r| self.ranks[r].conn.is_none())
-                    .collect();
                 let m = format!(
                     "timed out after {:.0?} waiting for rank(s) {missing:?} to join",
                     timeout
@@ -636,7 +732,10 @@ impl Supervisor<'_> {
             self.fail(JobError::Timeout(m), AbortReason::Timeout, first);
         } else if self.last_progress.elapsed() > timeout + Duration::from_secs(1) {
             let live: Vec<String> = (0..self.launch.world)
-                .filter(|&r| !self.ranks[r].done && self.ranks[r].child_alive)
+                .filter(|&r| {
+                    let s = &self.ranks[r];
+                    !s.done && (s.child_alive || (s.remote && !s.closed))
+                })
                 .map(|r| format!("rank {r} in {}", self.control.phase_name(r)))
                 .collect();
             let m = format!(
@@ -728,6 +827,8 @@ fn spawn_rank(
         .arg("--rank")
         .arg(rank.to_string())
         .env("TPRUN_JOB_TOKEN", hex(token))
+        // Our rank reports its failures to us; we print them (main.rs, spawned_by_parent).
+        .env("TPRUN_SPAWNED_BY", std::process::id().to_string())
         // The rank's only visible GPU; everything else about the job it learns from its plan.
         .env("CUDA_VISIBLE_DEVICES", device.to_string())
         .env("HIP_VISIBLE_DEVICES", device.to_string())
@@ -807,18 +908,37 @@ impl OurRanks {
     }
 }
 
-fn spawn_acceptor(
+/// The acceptor thread's listening socket and what it checks clients against.
+struct Acceptor {
     listener: Listener,
+    /// The socket's file, removed when the acceptor stops.
+    socket_file: SocketFile,
     token: [u8; 16],
     world: usize,
+    check_uid: bool,
+    ours: OurRanks,
+}
+
+/// A listening socket's file (none for an abstract name): removed when dropped.
+struct SocketFile(Option<PathBuf>);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        if let Some(p) = &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+fn spawn_acceptor(
+    a: Acceptor,
     tx: Sender<Event>,
     accepting: Arc<AtomicBool>,
-    ours: OurRanks,
 ) -> thread::JoinHandle<()> {
     thread::spawn(move || {
-        let my_uid = nix::unistd::getuid().as_raw();
+        let my_uid = a.check_uid.then(|| nix::unistd::getuid().as_raw());
         while accepting.load(Ordering::SeqCst) {
-            let conn = match listener.accept(Duration::from_millis(20)) {
+            let conn = match a.listener.accept(Duration::from_millis(20)) {
                 Ok(Some(c)) => c,
                 Ok(None) => continue,
                 Err(e) => {
@@ -826,9 +946,12 @@ fn spawn_acceptor(
                     continue;
                 }
             };
-            let (tx, ours) = (tx.clone(), ours.clone());
+            let (tx, ours, token, world) = (tx.clone(), a.ours.clone(), a.token, a.world);
             thread::spawn(move || handshake(conn, token, world, my_uid, tx, &ours));
         }
+        // The listener closes, then its file goes.
+        drop(a.listener);
+        drop(a.socket_file);
     })
 }
 
@@ -839,7 +962,7 @@ fn handshake(
     conn: Conn,
     token: [u8; 16],
     world: usize,
-    my_uid: u32,
+    my_uid: Option<u32>,
     tx: Sender<Event>,
     ours: &OurRanks,
 ) {
@@ -860,11 +983,12 @@ fn handshake(
         }
         let _ = conn.send(&Msg::Refused { reason }, &[]);
     };
-    // The abstract socket has no permissions of its own: the uid check is the gate.
-    match &cred {
-        Ok(c) if c.uid != my_uid => return refuse(format!("uid {} is not ours ({my_uid})", c.uid)),
-        Ok(_) => {}
-        Err(e) => return refuse(format!("its credentials are unknown: {e}")),
+    match (&cred, my_uid) {
+        (Ok(c), Some(me)) if c.uid != me => {
+            return refuse(format!("uid {} is not ours ({me})", c.uid))
+        }
+        (Ok(_), _) => {}
+        (Err(e), _) => return refuse(format!("its credentials are unknown: {e}")),
     }
     let (msg, _fds) = match conn.recv(Some(HELLO_TIMEOUT)) {
         Ok(m) => m,
@@ -882,7 +1006,8 @@ fn handshake(
     }
     let conn = Arc::new(conn);
     let id = Arc::as_ptr(&conn) as usize;
-    if tx.send(Event::Joined(rank, conn.clone())).is_err() {
+    let pid = cred.map_or(0, |c| c.pid.max(0) as u32);
+    if tx.send(Event::Joined(rank, conn.clone(), pid)).is_err() {
         return;
     }
     loop {
@@ -893,7 +1018,7 @@ fn handshake(
                 }
             }
             Err(_) => {
-                let _ = tx.send(Event::Closed(rank));
+                let _ = tx.send(Event::Closed(rank, id));
                 return;
             }
         }

@@ -83,6 +83,8 @@ impl Settings {
                 }
                 _ => Backend::Cpu,
             },
+            // Ranks that join from elsewhere (serve --listen) have GPUs we need not see.
+            BackendArg::Cuda if remote_ranks(cli) => Backend::Cuda,
             BackendArg::Cuda => match cuda_devices() {
                 Ok(0) => {
                     return Err("backend 'cuda' is not usable: no CUDA device is visible".into())
@@ -131,6 +133,7 @@ impl Settings {
             world,
             devices,
             timeout: self.timeout,
+            listen: None,
             spec: JobSpec {
                 backend: self.backend,
                 ipc: self.ipc,
@@ -227,6 +230,18 @@ fn main() -> ExitCode {
     ExitCode::from(run(cli).clamp(0, 255) as u8)
 }
 
+/// This rank was spawned by the coordinator that is its parent (see `launch::spawn_rank`),
+/// which reports its errors; one started by hand or in a container says them itself.
+fn spawned_by_parent() -> bool {
+    std::env::var("TPRUN_SPAWNED_BY")
+        .is_ok_and(|p| p == std::os::unix::process::parent_id().to_string())
+}
+
+/// The job's ranks are started elsewhere and join (`serve --listen`).
+fn remote_ranks(cli: &Cli) -> bool {
+    matches!(&cli.command, Command::Serve(a) if a.listen.is_some())
+}
+
 /// Prints a usage error (one line and the hint) and returns its exit code.
 fn usage_error(e: &str) -> i32 {
     eprintln!("error: {e}");
@@ -315,6 +330,11 @@ fn report(result: Result<i32, launch::JobError>) -> i32 {
 }
 
 fn run_rank(args: &cli::RankArgs) -> i32 {
+    if let Some(d) = args.device {
+        // Set before this process starts any thread (the rank's, the device runtime's).
+        std::env::set_var("CUDA_VISIBLE_DEVICES", d.to_string());
+        std::env::set_var("HIP_VISIBLE_DEVICES", d.to_string());
+    }
     let token = match &args.token_file {
         Some(f) => std::fs::read_to_string(f)
             .map_err(|e| format!("reading token file {}: {e}", f.display())),
@@ -338,7 +358,12 @@ fn run_rank(args: &cli::RankArgs) -> i32 {
     };
     match tprun_rank::run::run(opts) {
         Ok(()) => 0,
-        Err(e) if e.is_abort() => 3,
+        Err(e) if e.is_abort() => {
+            if !spawned_by_parent() {
+                eprintln!("error: {e}");
+            }
+            3
+        }
         Err(e) => {
             // The coordinator got the same message as `Failed` and reports it; a rank that
             // never joined, or one started by hand, has nobody else to tell.
@@ -349,7 +374,7 @@ fn run_rank(args: &cli::RankArgs) -> i32 {
                     "hint: --join takes the coordinator's rendezvous address (a path, or @name \
                      for an abstract socket) and TPRUN_JOB_TOKEN or --token-file its job token"
                 );
-            } else if std::env::var_os("TPRUN_JOB_TOKEN").is_none() {
+            } else if !spawned_by_parent() {
                 eprintln!("error: {e}");
             }
             if e.is_timeout() {

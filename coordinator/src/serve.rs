@@ -39,7 +39,7 @@ use tprun_rank::model::ShardPlan;
 
 use crate::cli::ServeArgs;
 use crate::decode::ModelInput;
-use crate::launch::{JobError, Observer, RankConns};
+use crate::launch::{JobError, Listen, Observer, RankConns};
 use crate::tokenizer::{TextStream, Tokenizer};
 use crate::{dtype_arg, Settings};
 
@@ -159,6 +159,7 @@ pub fn run(settings: &Settings, args: &ServeArgs) -> Result<i32, JobError> {
         .transpose()
         .map_err(bad)?
         .flatten();
+    let listen = args.listen.as_ref().map(|p| join_point(p)).transpose()?;
     let listener = std::net::TcpListener::bind((args.host.as_str(), args.port))
         .map_err(|e| bad(format!("cannot listen on {}:{}: {e}", args.host, args.port)))?;
     listener
@@ -199,6 +200,21 @@ pub fn run(settings: &Settings, args: &ServeArgs) -> Result<i32, JobError> {
         settings.backend.name(),
         model.name
     );
+    if let Some(l) = &listen {
+        let told = std::env::var_os("TPRUN_JOB_TOKEN").is_some();
+        eprintln!(
+            "tprun serve: waiting for {} rank(s) to join at {}: start each with `tprun rank \
+             --join {} --rank I [--device D]` and the job token in TPRUN_JOB_TOKEN{}",
+            settings.world,
+            l.path.display(),
+            l.path.display(),
+            if told {
+                " (ours)".to_string()
+            } else {
+                format!(" ({})", crate::launch::hex(&l.token))
+            }
+        );
+    }
     let spec = ServeSpec {
         model: model.source,
         dtype,
@@ -213,7 +229,9 @@ pub fn run(settings: &Settings, args: &ServeArgs) -> Result<i32, JobError> {
         cancelling: false,
         stopping: false,
     };
-    let result = crate::launch::run(settings.launch(Task::Serve(spec)), &mut engine);
+    let mut launch = settings.launch(Task::Serve(spec));
+    launch.listen = listen;
+    let result = crate::launch::run(launch, &mut engine);
     // Closing the engine's channels tells every request still waiting that the ranks are
     // gone (a 503, or an error event on a stream); then the HTTP server stops taking
     // connections and finishes the answers it is writing (the last request's included), for
@@ -224,6 +242,29 @@ pub fn run(settings: &Settings, args: &ServeArgs) -> Result<i32, JobError> {
     result?;
     eprintln!("tprun serve: stopped");
     Ok(0)
+}
+
+/// Where `--listen` ranks join, and their token: TPRUN_JOB_TOKEN's when set (an orchestrator
+/// hands the same one to the ranks), else a fresh one that we print.
+fn join_point(path: &Path) -> Result<Listen, JobError> {
+    if path.symlink_metadata().is_ok() {
+        return Err(JobError::Setup(anyhow::anyhow!(
+            "{} exists already (another job's socket, or one left by a job that was killed): \
+             remove it, or listen at another path",
+            path.display()
+        )));
+    }
+    let token = match std::env::var("TPRUN_JOB_TOKEN") {
+        Ok(t) => tprun_rank::run::parse_token(&t).ok_or_else(|| {
+            JobError::Usage("TPRUN_JOB_TOKEN is set but is not 32 hex digits".into())
+        })?,
+        Err(_) => crate::launch::random_token()
+            .map_err(|e| anyhow::anyhow!("reading /dev/urandom: {e}"))?,
+    };
+    Ok(Listen {
+        path: path.to_path_buf(),
+        token,
+    })
 }
 
 /// tokenizer_config.json's `chat_template` (a string; `None` when the file or the key is

@@ -326,6 +326,41 @@ fn decode_flags() {
             1,
             "/nonexistent/model",
         ),
+        // serve --listen: a path that exists (a file, not ours to remove) or a bad token.
+        case(
+            &[
+                "--backend",
+                "cpu",
+                "serve",
+                "--port",
+                "0",
+                "--listen",
+                "/etc/hostname",
+            ],
+            1,
+            "/etc/hostname",
+        ),
+        Case {
+            env: vec![("TPRUN_JOB_TOKEN", "xyz".into())],
+            ..case(
+                &[
+                    "--backend",
+                    "cpu",
+                    "serve",
+                    "--port",
+                    "0",
+                    "--listen",
+                    "/nonexistent/s",
+                ],
+                2,
+                "TPRUN_JOB_TOKEN",
+            )
+        },
+        case(
+            &["rank", "--join", "@x", "--rank", "0", "--device", "-1"],
+            2,
+            "--device",
+        ),
         case(&["synth", "--out", "x", "--preset", "huge"], 2, "--preset"),
         case(&["synth", "--out", "x", "--arch", "gpt2"], 2, "--arch"),
         case(&["synth", "--out", "x", "--dtype", "f8"], 2, "--dtype"),

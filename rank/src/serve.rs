@@ -11,7 +11,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tprun_ipc::{Conn, Msg};
+use tprun_ipc::control::describe_abort;
+use tprun_ipc::{Conn, IpcError, Msg};
 use tprun_kernels::Device;
 
 use crate::comm::Communicator;
@@ -58,7 +59,7 @@ pub fn run<D: Device>(
     }
     loop {
         ctx.enter(Phase::Idle);
-        let work = ctx.beating(|| next_work(conn))?;
+        let work = ctx.beating(|| next_work(ctx, conn))?;
         match work {
             Work::Shutdown => break,
             Work::Generate(req) => serve_one(ctx, conn, &mut model, &mut comm, &req, timeout)?,
@@ -68,9 +69,13 @@ pub fn run<D: Device>(
     Ok(())
 }
 
-/// Waits for the coordinator's next `Msg::Work`.
-fn next_work(conn: &Conn) -> Result<Work, RankError> {
-    let (msg, _) = conn.recv(None)?;
+/// Waits for the coordinator's next `Msg::Work`. The coordinator hangs up on an aborted job:
+/// that is then the abort (another rank failed first), not a failure of ours.
+fn next_work(ctx: &RankCtx, conn: &Conn) -> Result<Work, RankError> {
+    let (msg, _) = conn.recv(None).map_err(|e| match ctx.control.aborted() {
+        Some((reason, who)) => IpcError::Aborted(describe_abort(reason, who)),
+        None => e,
+    })?;
     match msg {
         Msg::Work { payload } => Ok(job::decode(&payload)?),
         other => Err(RankError::Other(format!(
