@@ -57,6 +57,10 @@ pub struct LoadOptions {
     /// Most prompt tokens run through one batched pass; longer prompts are prefilled in
     /// chunks of this size. Sizes the scratch buffers and the largest allreduce.
     pub prefill_chunk: usize,
+    /// Sequences the KV cache holds at once (cache slots, each `max_seq` long): the most a
+    /// batched step ([`Model::step_batch`]) runs. 1 for plain decoding; more than 1 is only
+    /// for attention-only models (a DeltaNet layer's recurrent state has one slot).
+    pub slots: usize,
 }
 
 impl Default for LoadOptions {
@@ -68,6 +72,7 @@ impl Default for LoadOptions {
             // 512 tokens: a typical prompt in one pass; scratch is then 2 KiB × hidden per
             // activation buffer (16 MiB at hidden 8192).
             prefill_chunk: 512,
+            slots: 1,
         }
     }
 }
@@ -91,7 +96,8 @@ impl LoadOptions {
 struct Sizes {
     max_seq: usize,
     chunk: usize,
-    /// Bytes of one attention layer's K (or V) cache.
+    slots: usize,
+    /// Bytes of one attention layer's K (or V) cache, all slots.
     kv_bytes: usize,
     /// f32 elements of one DeltaNet layer's conv state and recurrent state (0, 0 if none).
     delta: (usize, usize),
@@ -107,7 +113,15 @@ impl Sizes {
                 "a KV cache of {max_seq} tokens: positions are 32-bit"
             )));
         }
-        let chunk = opts.prefill_chunk.clamp(1, max_seq);
+        let slots = opts.slots.max(1);
+        if slots > 1 && cfg.hybrid.is_some() {
+            return Err(ModelError::Invalid(format!(
+                "{slots} cache slots: a hybrid model's DeltaNet state holds one sequence, so it \
+                 runs one at a time (batch 1)"
+            )));
+        }
+        // A batched step's rows share the prefill scratch: a chunk holds at least a batch.
+        let chunk = opts.prefill_chunk.clamp(1, max_seq).max(slots);
         let (d, h) = (cfg.head_dim, cfg.hidden);
         let (nqh, nkv, ni) = (
             plan.q_heads.len(),
@@ -117,7 +131,10 @@ impl Sizes {
         let nq = nqh * d;
         let kv_bytes = max_seq
             .checked_mul(nkv * opts.kv_dtype.size())
-            .ok_or_else(|| ModelError::Invalid(format!("a KV cache of {max_seq} tokens")))?;
+            .and_then(|b| b.checked_mul(slots))
+            .ok_or_else(|| {
+                ModelError::Invalid(format!("a KV cache of {slots} × {max_seq} tokens"))
+            })?;
         // The attention projection's width (with Qwen3.5's output gate: nq more), and the
         // DeltaNet's: its conv channels C, then z, b, a; its output nv·dv.
         let gate = match &cfg.hybrid {
@@ -140,8 +157,8 @@ impl Sizes {
             chunk * nq.max(delta_out),
             chunk * h,
             chunk * 2 * ni,
-            plan.vocab.len().max(1),
-            plan.world * 2 * TOPK_MAX,
+            slots * plan.vocab.len().max(1),
+            slots * plan.world * 2 * TOPK_MAX,
             ops::Attention::<()>::workspace_len(1, nqh, d, max_seq),
             cfg.rotary_dim() / 2,
             cfg.vocab,
@@ -151,6 +168,7 @@ impl Sizes {
         Ok(Sizes {
             max_seq,
             chunk,
+            slots,
             kv_bytes,
             delta,
             scratch,
@@ -159,12 +177,17 @@ impl Sizes {
 
     /// u32 words of the step state ([`Step`]).
     fn step_words(&self) -> usize {
-        2 + 2 * self.chunk
+        2 + 2 * self.chunk + 2 * self.slots
+    }
+
+    /// u32 words of the token histories (one per slot).
+    fn history_words(&self) -> usize {
+        self.slots * (self.max_seq + 1)
     }
 
     /// Device bytes: KV cache, DeltaNet states, scratch, step state and token history.
     fn bytes(&self, cfg: &ModelConfig) -> u64 {
-        let words = self.scratch.iter().sum::<usize>() + self.step_words() + self.max_seq + 1;
+        let words = self.scratch.iter().sum::<usize>() + self.step_words() + self.history_words();
         let layers = (0..cfg.layers).map(|l| match cfg.kind(l) {
             LayerKind::Attention => 2 * self.kv_bytes as u64,
             LayerKind::Delta => 4 * (self.delta.0 + self.delta.1) as u64,
@@ -222,10 +245,11 @@ struct Scratch<B> {
     o: B,
     /// Output of the fused gate|up projection [C, 2·I], each row [gate | up].
     hb: B,
-    /// This rank's vocab shard of the last position's logits [V].
+    /// This rank's vocab shard of the last position's logits [V]; of a batched step's rows
+    /// [slots, V].
     logits: B,
-    /// Gathered sampling candidates [world · 2·k] f32 (k ≤ TOPK_MAX): (logit, id) pairs, this
-    /// rank's at `rank · 2·k`.
+    /// Gathered sampling candidates, per sampled row [slots, world · 2·TOPK_MAX] f32: (logit,
+    /// id) pairs, k ≤ TOPK_MAX per rank, this rank's at `rank · 2·k` of the row's region.
     cands: B,
     /// Split-sequence attention scratch for one query (ops::Attention::workspace_len).
     attn_ws: B,
@@ -241,9 +265,10 @@ struct Scratch<B> {
     conv: B,
 }
 
-/// The step state, u32 in device memory: `[token, position, ids[C], positions[C]]`. A
-/// single-token step reads its id and position from the first two words and the sampler
-/// overwrites them with the next ones; a prefill chunk reads the two arrays.
+/// The step state, u32 in device memory: `[token, position, ids[C], positions[C],
+/// pairs[S][2]]`. A single-token step reads its id and position from the first two words and
+/// the sampler overwrites them with the next ones; a prefill chunk or a batched step reads the
+/// two arrays, and a batched step's sampler takes row r's (token, position) from `pairs[r]`.
 struct Step<B> {
     buf: B,
     chunk: usize,
@@ -265,13 +290,55 @@ impl<B> Step<B> {
     fn positions(&self, m: usize) -> View<'_, B> {
         View::new(&self.buf, 8 + 4 * self.chunk, m, DType::U32)
     }
+    fn pair(&self, r: usize) -> View<'_, B> {
+        View::new(&self.buf, 8 + 8 * self.chunk + 8 * r, 2, DType::U32)
+    }
 }
 
-/// The rows one forward runs: `m` tokens whose ids and positions are in `ids`, `pos`.
+/// The rows one forward runs: `m` tokens whose ids and positions are in `ids`, `pos`, in
+/// the cache slot(s) `slots` says.
 struct Rows<'a, B> {
     m: usize,
     ids: View<'a, B>,
     pos: View<'a, B>,
+    slots: Slots<'a>,
+}
+
+/// Whose KV cache the rows of a forward use.
+#[derive(Clone, Copy)]
+enum Slots<'a> {
+    /// All rows are one sequence's (a prompt chunk, a single-token step).
+    One(usize),
+    /// Row r is the sequence in slot `slots[r]` (a batched step: one token each).
+    Each(&'a [usize]),
+}
+
+/// Which rows' logits a forward computes.
+#[derive(Clone, Copy, PartialEq)]
+enum Logits {
+    None,
+    Last,
+    /// Every row's, row r's vocab shard at `r · V` of `s.logits`.
+    All,
+}
+
+/// One sequence of a batched step ([`Model::step_batch`]): its cache slot, the token to run
+/// at `pos` (its last one), and how its next token is picked.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchRow {
+    pub slot: usize,
+    pub token: u32,
+    pub pos: usize,
+    pub params: SampleParams,
+}
+
+/// One row the sampler picks a token for: its logits row, its parameters, its step state
+/// (token, position) and the token history of its slot.
+struct SampleRow<'a, B> {
+    row: usize,
+    params: SampleParams,
+    state: View<'a, B>,
+    history: View<'a, B>,
 }
 
 /// One rank's shard of the model.
@@ -284,11 +351,14 @@ pub struct Model<D: Device> {
     kv_dtype: DType,
     s: Scratch<D::Buf>,
     step: Step<D::Buf>,
-    /// Token history [max_seq + 1] u32 in host-mapped memory: the sampler writes the token
-    /// of position p at index p, and the host reads it without stopping the stream.
+    /// Token histories [slots, max_seq + 1] u32 in host-mapped memory: the sampler writes the
+    /// token of position p of slot s at index s·(max_seq + 1) + p, and the host reads it
+    /// without stopping the stream.
     history: D::Buf,
     max_seq: usize,
     chunk: usize,
+    /// Cache slots ([`LoadOptions::slots`]); the single-sequence API uses slot 0.
+    slots: usize,
     /// Positions 0..len of the KV cache hold the current sequence.
     len: usize,
     /// Tokens the DeltaNet states have taken in (≥ len: a decode may run one step past the
@@ -533,7 +603,7 @@ impl<D: Device> Model<D> {
             buf: dev.alloc(sizes.step_words() * 4)?,
             chunk: sizes.chunk,
         };
-        let history = dev.alloc_mapped((sizes.max_seq + 1) * 4)?;
+        let history = dev.alloc_mapped(sizes.history_words() * 4)?;
         let wsize = w.layers.first().map_or(4, |l| l.matrix_dtype().size());
         let (_, step_bytes) = weights::shard_bytes(&cfg, &plan, wsize);
         let state_bytes = sizes.bytes(&cfg);
@@ -554,6 +624,7 @@ impl<D: Device> Model<D> {
             history,
             max_seq: sizes.max_seq,
             chunk: sizes.chunk,
+            slots: sizes.slots,
             len: 0,
             state_len: 0,
             delta_len: sizes.delta,
@@ -597,7 +668,11 @@ impl<D: Device> Model<D> {
     /// The largest message this model passes to [`Collectives::allreduce`], in bytes (f32):
     /// a prefill chunk of hidden states or the full-vocab logits of [`Model::prefill`].
     pub fn max_allreduce_bytes(&self) -> usize {
-        (self.chunk * self.cfg.hidden).max(self.cfg.vocab) * 4
+        let cands = self.slots * self.plan.world * 2 * TOPK_MAX;
+        (self.chunk * self.cfg.hidden)
+            .max(self.cfg.vocab)
+            .max(cands)
+            * 4
     }
 
     /// The full-vocab f32 logits of the last [`Model::prefill`] or [`Model::step`]
@@ -625,6 +700,7 @@ impl<D: Device> Model<D> {
     fn run_prompt(
         &mut self,
         comm: &mut dyn Collectives<D>,
+        slot: usize,
         tokens: &[u32],
     ) -> Result<(), RankError> {
         self.check_comm(comm)?;
@@ -661,8 +737,15 @@ impl<D: Device> Model<D> {
                 m,
                 ids: step.ids(m),
                 pos: step.positions(m),
+                slots: Slots::One(slot),
             };
-            self.forward(comm, &rows, i + 1 == chunks.len(), false)?;
+            let last = i + 1 == chunks.len();
+            self.forward(
+                comm,
+                &rows,
+                if last { Logits::Last } else { Logits::None },
+                false,
+            )?;
             self.len += m;
         }
         self.state_len = self.len;
@@ -693,7 +776,7 @@ impl<D: Device> Model<D> {
         comm: &mut dyn Collectives<D>,
         tokens: &[u32],
     ) -> Result<&[f32], RankError> {
-        self.run_prompt(comm, tokens)?;
+        self.run_prompt(comm, 0, tokens)?;
         self.gather_logits(comm)?;
         Ok(&self.logits)
     }
@@ -742,45 +825,86 @@ impl<D: Device> Model<D> {
             m: 1,
             ids: self.step.token(),
             pos: self.step.position(),
+            slots: Slots::One(0),
         };
-        self.forward(comm, &rows, true, true)?;
+        self.forward(comm, &rows, Logits::Last, true)?;
         if let Some(p) = sample {
-            self.sample(comm, p)?;
+            self.sample(comm, &[self.sample_row(0, p, self.step.state(), 0)])?;
         }
         Ok(())
     }
 
-    /// Gathers this rank's best logits with every other rank's and picks the next token
-    /// (state ← (token, position + 1), history[position + 1] ← token).
-    fn sample(&self, comm: &mut dyn Collectives<D>, p: &SampleParams) -> Result<(), RankError> {
+    /// Logits row `row` sampled with `p` into `state`, and slot `slot`'s history.
+    fn sample_row<'a>(
+        &'a self,
+        row: usize,
+        p: &SampleParams,
+        state: View<'a, D::Buf>,
+        slot: usize,
+    ) -> SampleRow<'a, D::Buf> {
+        let n = self.max_seq + 1;
+        SampleRow {
+            row,
+            params: *p,
+            state,
+            history: View::new(&self.history, slot * n * 4, n, DType::U32),
+        }
+    }
+
+    /// Gathers this rank's best logits of each row with every other rank's (one allreduce
+    /// for all rows) and picks each row's next token (its state ← (token, position + 1), its
+    /// history[position + 1] ← token).
+    fn sample(
+        &self,
+        comm: &mut dyn Collectives<D>,
+        rows: &[SampleRow<'_, D::Buf>],
+    ) -> Result<(), RankError> {
         let dev = &*self.dev;
-        let (world, rank) = (self.plan.world, self.plan.rank);
-        let k = topk_for(p);
-        // Every rank's k pairs back to back: rank r's at 2k·r. Only written pairs are
-        // gathered (a zero-filled pair would read as a candidate of logit 0 for id 0).
-        let seg = 2 * k;
-        let cands = f32v(&self.s.cands, world * seg);
+        let (world, rank, vs) = (self.plan.world, self.plan.rank, self.plan.vocab.len());
+        // Row r's candidates: every rank's k pairs back to back (rank q's at 2k·q) from
+        // r · region. Only written pairs are gathered (a zero-filled pair would read as a
+        // candidate of logit 0 for id 0); the allreduce covers up to the last row's.
+        let region = world * 2 * TOPK_MAX;
+        let seg = |p: &SampleParams| 2 * topk_for(p);
+        let last = rows.last().expect("at least one row");
+        let used = (rows.len() - 1) * region + world * seg(&last.params);
+        let all = f32v(&self.s.cands, used);
         if world > 1 {
             dev.run(&Op::Fill(ops::Fill {
-                dst: cands,
+                dst: all,
                 value: 0.0,
             }))?;
         }
-        dev.run(&Op::ShardTopK(ops::ShardTopK {
-            logits: f32v(&self.s.logits, self.plan.vocab.len()),
-            vocab_start: self.plan.vocab.start,
-            k,
-            out: View::new(&self.s.cands, rank * seg * 4, seg, DType::F32),
-        }))?;
-        if world > 1 && !self.no_allreduce {
-            comm.allreduce(cands)?;
+        for (i, r) in rows.iter().enumerate() {
+            let k = topk_for(&r.params);
+            dev.run(&Op::ShardTopK(ops::ShardTopK {
+                logits: View::new(&self.s.logits, r.row * vs * 4, vs, DType::F32),
+                vocab_start: self.plan.vocab.start,
+                k,
+                out: View::new(
+                    &self.s.cands,
+                    (i * region + rank * 2 * k) * 4,
+                    2 * k,
+                    DType::F32,
+                ),
+            }))?;
         }
-        dev.run(&Op::Sample(ops::Sample {
-            cands,
-            params: *p,
-            state: self.step.state(),
-            tokens: View::new(&self.history, 0, self.max_seq + 1, DType::U32),
-        }))?;
+        if world > 1 && !self.no_allreduce {
+            comm.allreduce(all)?;
+        }
+        for (i, r) in rows.iter().enumerate() {
+            dev.run(&Op::Sample(ops::Sample {
+                cands: View::new(
+                    &self.s.cands,
+                    i * region * 4,
+                    world * seg(&r.params),
+                    DType::F32,
+                ),
+                params: r.params,
+                state: r.state,
+                tokens: r.history,
+            }))?;
+        }
         Ok(())
     }
 
@@ -822,18 +946,98 @@ impl<D: Device> Model<D> {
         prompt: &[u32],
         p: &SampleParams,
     ) -> Result<u32, RankError> {
-        self.run_prompt(comm, prompt)?;
-        self.sample(comm, p)?;
-        let mark = self.dev.mark()?;
-        self.dev.wait_mark(&mark)?;
-        self.read_history(self.len, 1)
+        self.begin_in(comm, 0, prompt, p)
     }
 
-    /// The token the sampler stored for `position`, the `n`th generated one (named in the
-    /// error when the sampler found the logits not finite).
-    fn read_history(&self, position: usize, n: usize) -> Result<u32, RankError> {
+    /// [`Model::begin`] in cache slot `slot` (< [`Model::slots`]), for a batch of sequences
+    /// ([`Model::step_batch`]).
+    pub fn begin_in(
+        &mut self,
+        comm: &mut dyn Collectives<D>,
+        slot: usize,
+        prompt: &[u32],
+        p: &SampleParams,
+    ) -> Result<u32, RankError> {
+        if slot >= self.slots {
+            return Err(RankError::Model(format!(
+                "cache slot {slot} of {}",
+                self.slots
+            )));
+        }
+        self.run_prompt(comm, slot, prompt)?;
+        self.sample(comm, &[self.sample_row(0, p, self.step.state(), slot)])?;
+        let mark = self.dev.mark()?;
+        self.dev.wait_mark(&mark)?;
+        self.read_history(slot, self.len, 1)
+    }
+
+    /// Cache slots: the most sequences a batched step runs.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// One token for each of `rows` (at most [`Model::slots`], in distinct slots, each begun
+    /// with [`Model::begin_in`]): every row runs its token at its position in its own slot's
+    /// cache, all in one forward (the matrix products take the rows together), and its next
+    /// token is sampled with its own parameters. Returns the new tokens in row order. A row's
+    /// result does not depend on the other rows (on the CPU backend, bitwise).
+    pub fn step_batch(
+        &mut self,
+        comm: &mut dyn Collectives<D>,
+        rows: &[BatchRow],
+    ) -> Result<Vec<u32>, RankError> {
+        self.check_comm(comm)?;
+        let n = rows.len();
+        let mut seen = vec![false; self.slots];
+        for r in rows {
+            let fresh = r.slot < self.slots && !std::mem::replace(&mut seen[r.slot], true);
+            if !fresh || r.pos >= self.max_seq || r.token as usize >= self.cfg.vocab {
+                return Err(RankError::Model(format!(
+                    "cannot run token {} at position {} in slot {}: {} slots (each once), \
+                     room for {} (KV cache), vocab {}",
+                    r.token, r.pos, r.slot, self.slots, self.max_seq, self.cfg.vocab
+                )));
+            }
+        }
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let c = self.chunk;
+        let mut words = vec![0u32; 2 + 2 * c + 2 * n];
+        for (i, r) in rows.iter().enumerate() {
+            words[2 + i] = r.token;
+            words[2 + c + i] = r.pos as u32;
+            words[2 + 2 * c + 2 * i..][..2].copy_from_slice(&[r.token, r.pos as u32]);
+        }
+        self.dev.write(&self.step.buf, 0, &encode_u32(&words))?;
+        let slots: Vec<usize> = rows.iter().map(|r| r.slot).collect();
+        let step = &self.step;
+        let fwd = Rows {
+            m: n,
+            ids: step.ids(n),
+            pos: step.positions(n),
+            slots: Slots::Each(&slots),
+        };
+        self.forward(comm, &fwd, Logits::All, true)?;
+        let sample: Vec<_> = rows
+            .iter()
+            .enumerate()
+            .map(|(i, r)| self.sample_row(i, &r.params, step.pair(i), r.slot))
+            .collect();
+        self.sample(comm, &sample)?;
+        let mark = self.dev.mark()?;
+        self.dev.wait_mark(&mark)?;
+        rows.iter()
+            .map(|r| self.read_history(r.slot, r.pos + 1, r.pos + 1))
+            .collect()
+    }
+
+    /// The token the sampler stored for `position` of slot `slot`, the `n`th generated one
+    /// (named in the error when the sampler found the logits not finite).
+    fn read_history(&self, slot: usize, position: usize, n: usize) -> Result<u32, RankError> {
         let mut b = [0u8; 4];
-        self.dev.read_mapped(&self.history, position * 4, &mut b)?;
+        let at = slot * (self.max_seq + 1) + position;
+        self.dev.read_mapped(&self.history, at * 4, &mut b)?;
         let t = decode_u32(&b)[0];
         if t == ops::NO_TOKEN {
             return Err(not_finite(n, position));
@@ -918,7 +1122,7 @@ impl<D: Device> Model<D> {
             self.dev.wait_mark(&mark)?;
             done += 1;
             self.len += 1;
-            let t = self.read_history(self.len, done + 1)?;
+            let t = self.read_history(0, self.len, done + 1)?;
             if done <= 3 {
                 tracing::debug!("decode: step {done} done: token {t}");
             }
@@ -947,7 +1151,7 @@ impl<D: Device> Model<D> {
         &self,
         comm: &mut dyn Collectives<D>,
         rows: &Rows<'_, D::Buf>,
-        logits: bool,
+        logits: Logits,
         single: bool,
     ) -> Result<(), RankError> {
         let (dev, cfg, plan, w, s) = (&*self.dev, &self.cfg, &self.plan, &self.w, &self.s);
@@ -1128,34 +1332,37 @@ impl<D: Device> Model<D> {
             };
             pending = seam(comm, next, cur, Some(next_n))?;
         }
-        if !logits {
-            return Ok(());
-        }
-        // logits[vocab shard] = lm_head(norm(x))[last position]
-        let (head, y) = (w.head().view(), f32v(&s.logits, plan.vocab.len()));
+        // logits[vocab shard] = lm_head(norm(x)) of the last position, or of every row
+        let (first, lm) = match logits {
+            Logits::None => return Ok(()),
+            Logits::Last => (m - 1, 1),
+            Logits::All => (0, m),
+        };
+        let vs = plan.vocab.len();
+        let (head, y) = (w.head().view(), f32v(&s.logits, lm * vs));
         let op = match pending {
             None => Op::Matmul(ops::Matmul {
-                x: xb.slice((m - 1) * h, h),
+                x: xb.slice(first * h, lm * h),
                 w: head,
                 bias: None,
                 y,
-                m: 1,
+                m: lm,
                 k: h,
-                n: plan.vocab.len(),
+                n: vs,
                 prologue: Prologue::None,
             }),
             Some(norm_w) => Op::AddNormMatmul(ops::AddNormMatmul {
-                x: xs[cur].slice((m - 1) * h, h),
-                delta: o.slice((m - 1) * h, h),
+                x: xs[cur].slice(first * h, lm * h),
+                delta: o.slice(first * h, lm * h),
                 norm_w,
                 x_out: None,
                 eps,
                 w: head,
                 bias: None,
                 y,
-                m: 1,
+                m: lm,
                 k: h,
-                n: plan.vocab.len(),
+                n: vs,
             }),
         };
         dev.run(&op)?;
@@ -1282,45 +1489,61 @@ impl<D: Device> Model<D> {
         // s.qkv holds [q | k | v] (then the gate block): `forward` ran the projection.
         let wqkv = nq + 2 * nkv;
         let gated = cfg.hybrid.as_ref().is_some_and(|hy| hy.attn_gate);
-        // q = rope(q_norm(q)); cache[pos] = rope(k_norm(k)), v   (norms: Qwen3, Qwen3.5;
-        // Qwen3.5 rotates only the first rotary_dim dims of each head)
-        let cache = |b| View::new(b, 0, cap * nkv, kvt);
-        dev.run(&Op::QkvRope(ops::QkvRope {
-            qkv: f32v(&s.qkv, m * wqkv),
-            q: f32v(&s.q, m * nq),
-            k_cache: cache(&kv.k),
-            v_cache: cache(&kv.v),
-            pos: rows.pos,
-            inv_freq: f32v(&s.inv_freq, rd / 2),
-            q_norm: aw.q_norm.as_ref().map(|t| t.view()),
-            k_norm: aw.k_norm.as_ref().map(|t| t.view()),
-            eps: cfg.rms_eps,
-            rows: m,
-            heads: nqh,
-            kv_heads: nkvh,
-            head_dim: d,
-            rotary_dim: rd,
-        }))?;
-        // att = softmax(q·kᵀ / √d + causal mask) · v
+        // Rows `r0..r0 + n` in one slot's cache: one op each over them. A batched step's
+        // rows are in different slots: one pair of ops per row.
+        let groups: Vec<(usize, usize, usize)> = match rows.slots {
+            Slots::One(slot) => vec![(0, m, slot)],
+            Slots::Each(slots) => slots
+                .iter()
+                .enumerate()
+                .map(|(r, &sl)| (r, 1, sl))
+                .collect(),
+        };
+        let f32at = |b, row: usize, width: usize, n: usize| {
+            View::new(b, row * width * 4, n * width, DType::F32)
+        };
+        for (r0, n, slot) in groups {
+            let cache = |b| View::new(b, slot * cap * nkv * kvt.size(), cap * nkv, kvt);
+            let pos = rows.pos.slice(r0, n);
+            // q = rope(q_norm(q)); cache[pos] = rope(k_norm(k)), v   (norms: Qwen3, Qwen3.5;
+            // Qwen3.5 rotates only the first rotary_dim dims of each head)
+            dev.run(&Op::QkvRope(ops::QkvRope {
+                qkv: f32at(&s.qkv, r0, wqkv, n),
+                q: f32at(&s.q, r0, nq, n),
+                k_cache: cache(&kv.k),
+                v_cache: cache(&kv.v),
+                pos,
+                inv_freq: f32v(&s.inv_freq, rd / 2),
+                q_norm: aw.q_norm.as_ref().map(|t| t.view()),
+                k_norm: aw.k_norm.as_ref().map(|t| t.view()),
+                eps: cfg.rms_eps,
+                rows: n,
+                heads: nqh,
+                kv_heads: nkvh,
+                head_dim: d,
+                rotary_dim: rd,
+            }))?;
+            // att = softmax(q·kᵀ / √d + causal mask) · v
+            dev.run(&Op::Attention(ops::Attention {
+                q: f32at(&s.q, r0, nq, n),
+                k_cache: cache(&kv.k),
+                v_cache: cache(&kv.v),
+                out: f32at(&s.att, r0, nq, n),
+                pos,
+                rows: n,
+                heads: nqh,
+                kv_heads: nkvh,
+                head_dim: d,
+                scale: 1.0 / (d as f32).sqrt(),
+                workspace: (single && n == 1).then(|| {
+                    f32v(
+                        &s.attn_ws,
+                        ops::Attention::<D::Buf>::workspace_len(1, nqh, d, cap),
+                    )
+                }),
+            }))?;
+        }
         let att = f32v(&s.att, m * nq);
-        dev.run(&Op::Attention(ops::Attention {
-            q: f32v(&s.q, m * nq),
-            k_cache: cache(&kv.k),
-            v_cache: cache(&kv.v),
-            out: att,
-            pos: rows.pos,
-            rows: m,
-            heads: nqh,
-            kv_heads: nkvh,
-            head_dim: d,
-            scale: 1.0 / (d as f32).sqrt(),
-            workspace: single.then(|| {
-                f32v(
-                    &s.attn_ws,
-                    ops::Attention::<D::Buf>::workspace_len(1, nqh, d, cap),
-                )
-            }),
-        }))?;
         if gated {
             // att = att · sigmoid(gate)
             dev.run(&Op::SigmoidMul(ops::SigmoidMul {

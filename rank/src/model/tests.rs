@@ -868,3 +868,102 @@ fn kernel_limits_are_checked_at_load() {
     fits_kernels(&cfg, "cpu", OpLimits::NONE).unwrap();
     fits_kernels(&config_for(&opts(Arch::Llama)), "cuda", gpu).unwrap();
 }
+
+/// Continuous batching: sequences that join a batch at different steps, leave it when done
+/// and hand their cache slot to the next, each get bitwise the tokens they get alone (greedy
+/// and seeded sampling), at world 1 and 2 (CPU backend).
+#[test]
+fn batched_steps_give_each_sequence_its_tokens_alone() {
+    let dir = synth_tiny("batch", Arch::Qwen3, DType::BF16);
+    let opts = LoadOptions {
+        slots: 3,
+        max_seq: Some(64),
+        ..LoadOptions::default()
+    };
+    // (prompt, tokens to generate, temperature, seed, the step it arrives at)
+    let seqs: Vec<(Vec<u32>, usize, f32, u64, usize)> = vec![
+        (vec![SYNTH_BOS, 5, 9, 14], 9, 0.0, 0, 0),
+        (vec![SYNTH_BOS, 40, 41], 4, 0.9, 11, 0),
+        (vec![SYNTH_BOS, 7, 7, 7, 7, 7, 7, 7, 7, 3], 12, 0.0, 0, 2),
+        (vec![SYNTH_BOS, 100], 6, 1.3, 5, 3),
+        (vec![SYNTH_BOS, 60, 61, 62, 63, 64], 7, 0.0, 0, 5),
+    ];
+    let params = |t: f32, seed: u64| tprun_kernels::ops::SampleParams {
+        temperature: t,
+        top_k: 0,
+        top_p: 0.95,
+        seed,
+    };
+    for world in [1, 2] {
+        let runs = run_ranks(&dir, world, &opts, |m, comm| {
+            let alone: Vec<Vec<u32>> = seqs
+                .iter()
+                .map(|(prompt, n, t, seed, _)| {
+                    let p = params(*t, *seed);
+                    let mut out = vec![m.begin(comm, prompt, &p).unwrap()];
+                    m.decode(comm, &p, n - 1, &mut |t| {
+                        out.push(t);
+                        Ok(out.len() < *n)
+                    })
+                    .unwrap();
+                    out
+                })
+                .collect();
+            // (sequence, slot, its tokens so far)
+            let mut running: Vec<(usize, usize, Vec<u32>)> = Vec::new();
+            let mut got = vec![Vec::new(); seqs.len()];
+            let (mut next, mut step) = (0, 0);
+            while next < seqs.len() || !running.is_empty() {
+                while next < seqs.len() && seqs[next].4 <= step && running.len() < m.slots() {
+                    let slot = (0..m.slots())
+                        .find(|s| running.iter().all(|r| r.1 != *s))
+                        .unwrap();
+                    let (prompt, _, t, seed, _) = &seqs[next];
+                    let first = m.begin_in(comm, slot, prompt, &params(*t, *seed)).unwrap();
+                    running.push((next, slot, vec![first]));
+                    next += 1;
+                }
+                let rows: Vec<BatchRow> = running
+                    .iter()
+                    .map(|(i, slot, toks)| BatchRow {
+                        slot: *slot,
+                        token: *toks.last().unwrap(),
+                        pos: seqs[*i].0.len() + toks.len() - 1,
+                        params: params(seqs[*i].2, seqs[*i].3),
+                    })
+                    .collect();
+                let new = m.step_batch(comm, &rows).unwrap();
+                for (r, t) in running.iter_mut().zip(new) {
+                    r.2.push(t);
+                }
+                for r in running.iter().filter(|r| r.2.len() >= seqs[r.0].1) {
+                    got[r.0] = r.2[..seqs[r.0].1].to_vec();
+                }
+                running.retain(|r| r.2.len() < seqs[r.0].1);
+                step += 1;
+            }
+            (alone, got)
+        });
+        for (alone, got) in runs {
+            assert_eq!(got, alone, "world {world}");
+        }
+    }
+    // More rows than slots, or one slot twice, is refused.
+    let errs = run_ranks(&dir, 1, &opts, |m, comm| {
+        let p = params(0.0, 0);
+        m.begin_in(comm, 0, &[SYNTH_BOS, 1], &p).unwrap();
+        let row = BatchRow {
+            slot: 0,
+            token: 1,
+            pos: 2,
+            params: p,
+        };
+        let twice = m.step_batch(comm, &[row, row]).unwrap_err().to_string();
+        let far = BatchRow { slot: 3, ..row };
+        let beyond = m.step_batch(comm, &[far]).unwrap_err().to_string();
+        (twice, beyond)
+    });
+    assert!(errs[0].0.contains("slot 0"), "{}", errs[0].0);
+    assert!(errs[0].1.contains("slot 3"), "{}", errs[0].1);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
