@@ -79,8 +79,8 @@ pub enum Command {
     /// Generate text with a model sharded across the ranks (tensor parallel).
     Decode(DecodeArgs),
     /// An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, streaming,
-    /// /v1/models, /health, /metrics) over the ranks; requests are served one at a time (in
-    /// arrival order) for now. Ctrl-C stops it.
+    /// /v1/models, /health, /metrics) over the ranks, decoding up to --max-batch requests
+    /// together (continuous batching). Ctrl-C stops it.
     Serve(ServeArgs),
     /// Write a complete Hugging Face model folder with seeded random weights.
     Synth(SynthArgs),
@@ -206,6 +206,12 @@ pub struct ServeArgs {
     /// one (off), as `decode`.
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     pub graph: String,
+
+    /// Most requests decoding together (continuous batching), 1 to 64; each has its own
+    /// KV-cache slot of --max-seq tokens, allocated up front. Default 16; a hybrid (DeltaNet)
+    /// model serves one at a time.
+    #[arg(long, allow_hyphen_values = true, value_parser = whole::<usize>(1, 64))]
+    pub max_batch: Option<usize>,
 
     /// Do not start the ranks: wait for --ranks of them, started elsewhere (other containers
     /// or machines' namespaces) with `tprun rank --join SOCKET --rank I [--device D]`, to

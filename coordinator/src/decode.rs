@@ -167,9 +167,9 @@ impl Observer for Streamer {
         }
     }
 
-    fn tokens(&mut self, tokens: &[u32]) {
+    fn tokens(&mut self, tokens: &[(u32, u32)]) {
         self.loaded();
-        for &id in tokens {
+        for &(_, id) in tokens {
             self.ids.push(id);
             match self.stream.push(&self.tok, id) {
                 Ok(Some(piece)) => {

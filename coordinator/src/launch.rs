@@ -145,8 +145,13 @@ pub struct Listen {
 
 /// Callbacks the command gets while the job runs.
 pub trait Observer {
+    /// The job's control block, once it exists (before any rank starts): for an observer
+    /// that reads the ranks' statistics there at any time (`serve`'s metrics).
+    fn attach(&mut self, _control: &Arc<ControlBlock>) {}
     fn report(&mut self, rank: usize, report: Report);
-    fn tokens(&mut self, _tokens: &[u32]) {}
+    /// Tokens rank 0 published, in order, each with its sequence's tag (serve: the request
+    /// id's low 32 bits; 0 for decode's one sequence).
+    fn tokens(&mut self, _tokens: &[(u32, u32)]) {}
     /// Every supervision tick (5 ms) once every rank has joined, after that tick's tokens and
     /// reports: where a job that takes work (`serve`) sends it to the ranks. An error ends
     /// the job (exit 1).
@@ -166,24 +171,22 @@ pub trait Observer {
     }
 }
 
-/// The connections of a job's ranks and its control block, for [`Observer::tick`].
+/// The connections of a job's ranks, for [`Observer::tick`].
 pub struct RankConns<'a> {
     conns: Vec<&'a Conn>,
-    control: &'a ControlBlock,
 }
 
 impl RankConns<'_> {
-    pub fn control(&self) -> &ControlBlock {
-        self.control
-    }
-
     /// Sends `msg` to every rank, in rank order.
     pub fn send_all(&self, msg: &Msg) -> anyhow::Result<()> {
-        for (r, c) in self.conns.iter().enumerate() {
-            c.send(msg, &[])
-                .map_err(|e| anyhow::anyhow!("sending work to rank {r}: {e}"))?;
-        }
-        Ok(())
+        (0..self.conns.len()).try_for_each(|r| self.send_to(r, msg))
+    }
+
+    /// Sends `msg` to rank `r`.
+    pub fn send_to(&self, r: usize, msg: &Msg) -> anyhow::Result<()> {
+        self.conns[r]
+            .send(msg, &[])
+            .map_err(|e| anyhow::anyhow!("sending work to rank {r}: {e}"))
     }
 }
 
@@ -264,6 +267,7 @@ pub fn run(launch: Launch, observer: &mut dyn Observer) -> Result<(), JobError> 
             .map_err(|e| anyhow::anyhow!("control block: {e}"))?
             .with_phase_names(&Phase::NAMES),
     );
+    observer.attach(&control);
     // Each rank's plan: the job, and the device it runs on.
     let plans: Vec<Vec<u8>> = launch
         .devices
@@ -363,7 +367,7 @@ struct Supervisor<'a> {
     started: Instant,
     last_progress: Instant,
     last_beats: Vec<u64>,
-    tokens: Vec<u32>,
+    tokens: Vec<(u32, u32)>,
     /// The observer took the first interrupt ([`Observer::stop`]).
     stopping: bool,
     /// When the job failed: remote ranks get a grace period to see the abort and hang up.
@@ -402,10 +406,7 @@ impl Supervisor<'_> {
                     .filter_map(|r| r.conn.as_deref())
                     .collect();
                 if conns.len() == self.launch.world {
-                    let ranks = RankConns {
-                        conns,
-                        control: &self.control,
-                    };
+                    let ranks = RankConns { conns };
                     if interrupted && !self.stopping && observer.stop(&ranks) {
                         self.stopping = true;
                         interrupt_handled = true;

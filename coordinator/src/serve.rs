@@ -1,21 +1,22 @@
 //! `tprun serve`: an OpenAI-compatible HTTP server in the coordinator over a `serve` job
-//! (rank/src/serve.rs), one sequence at a time.
+//! (rank/src/serve.rs) that decodes its requests as a continuous batch.
 //!
 //! Three parts meet here. The HTTP side (axum on a small tokio runtime, its own thread)
 //! validates each request into token ids and sampling settings and queues it (bounded: a full
-//! queue is a 503). The engine is the job's [`Observer`]: on each supervision tick, when no
-//! request is running, it sends the next one to every rank (`Msg::Work`); rank 0's tokens
-//! arrive through the control block and go to that request's channel, and rank 0's
-//! `Report::Served` ends it. The handler turns tokens into text (incrementally, honouring
-//! `stop` strings) and answers as JSON or as server-sent events.
+//! queue is a 503). The engine is the job's [`Observer`]: on each supervision tick it sends
+//! queued requests to every rank (`Msg::Work`) while fewer than `--max-batch` are with them;
+//! rank 0 admits each into the batch at its next step (a free KV-cache slot is waiting for
+//! it) and tells the other ranks through the control block. Rank 0's tokens arrive through
+//! the control block's ring, tagged with their request, and go to that request's channel;
+//! rank 0's `Report::Served` ends it. The handler turns tokens into text (incrementally,
+//! honouring `stop` strings) and answers as JSON or as server-sent events.
 //!
 //! A request whose handler is gone (its client disconnected, or a stop string ended its text)
-//! is cancelled through the control block: the ranks end it within a few tokens and go on to
-//! the next (`tprun_cancelled_total` counts them).
-//!
-//! Not yet (issue 12): continuous batching (`--max-batch`), `--listen` for ranks in other
-//! containers.
+//! is cancelled: rank 0 hears of it and evicts it from the batch at its next step, freeing
+//! its slot (`tprun_cancelled_total` counts them). `/metrics` reads rank 0's batch
+//! statistics (steps, rows, current and peak batch size) from the control block.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
@@ -30,7 +31,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
-use tprun_ipc::Msg;
+use tprun_ipc::{ControlBlock, Msg};
 use tprun_kernels::ops::TOPK_MAX;
 use tprun_kernels::DType;
 use tprun_rank::job::{self, GenRequest, Report, ServeSpec, Task, Work};
@@ -70,10 +71,12 @@ struct Shared {
     requests: AtomicU64,
     tokens: AtomicU64,
     queued: AtomicU64,
-    /// Sequences the ranks are generating (0 or 1 until batching).
+    /// Requests the ranks have (the batch, and those joining it at the next step).
     running: AtomicU64,
     /// Requests ended early because their client left or a stop string ended them.
     cancelled: AtomicU64,
+    /// The job's control block, where rank 0 keeps its batch statistics.
+    control: std::sync::OnceLock<Arc<ControlBlock>>,
     next_id: AtomicU64,
     /// From a request's arrival to its first token reaching the server.
     ttft: Histogram,
@@ -89,6 +92,8 @@ struct ChatTemplate {
 
 /// Requests that may wait for the ranks; one more is a 503.
 const QUEUE: usize = 64;
+/// Sequences decoding together unless --max-batch says otherwise.
+pub const DEFAULT_MAX_BATCH: usize = 16;
 
 /// Upper bounds (seconds) of the latency histograms' buckets (Prometheus `le`).
 const BUCKETS: [f64; 13] = [
@@ -135,6 +140,18 @@ pub fn run(settings: &Settings, args: &ServeArgs) -> Result<i32, JobError> {
     let dtype = dtype_arg("--dtype", &args.dtype, &["auto"]).map_err(usage)?;
     let kv_dtype = dtype_arg("--kv-dtype", &args.kv_dtype, &["auto"]).map_err(usage)?;
     let model = ModelInput::open(args.model.as_deref())?;
+    // A DeltaNet layer's recurrent state holds one sequence: hybrids decode one at a time.
+    let max_batch = match (args.max_batch, model.cfg.hybrid.is_some()) {
+        (Some(b), true) if b > 1 => {
+            return Err(usage(format!(
+                "--max-batch {b}: {} is a hybrid (DeltaNet) model, whose recurrent state \
+                 holds one sequence; it serves one request at a time (--max-batch 1)",
+                model.name
+            )))
+        }
+        (_, true) => 1,
+        (b, false) => b.unwrap_or(DEFAULT_MAX_BATCH),
+    };
     for r in 0..settings.world {
         ShardPlan::new(&model.cfg, r, settings.world).map_err(|e| bad(e.to_string()))?;
     }
@@ -188,6 +205,7 @@ pub fn run(settings: &Settings, args: &ServeArgs) -> Result<i32, JobError> {
         queued: AtomicU64::new(0),
         running: AtomicU64::new(0),
         cancelled: AtomicU64::new(0),
+        control: std::sync::OnceLock::new(),
         next_id: AtomicU64::new(1),
         ttft: Histogram::default(),
         itl: Histogram::default(),
@@ -221,12 +239,13 @@ pub fn run(settings: &Settings, args: &ServeArgs) -> Result<i32, JobError> {
         kv_dtype,
         max_seq: args.max_seq,
         graph: args.graph == "on",
+        max_batch,
     };
     let mut engine = Engine {
         shared,
         rx,
-        running: None,
-        cancelling: false,
+        running: BTreeMap::new(),
+        max_batch,
         stopping: false,
     };
     let mut launch = settings.launch(Task::Serve(spec));
@@ -348,15 +367,26 @@ fn http_thread(listener: std::net::TcpListener, shared: Arc<Shared>) -> std::io:
 struct Engine {
     shared: Arc<Shared>,
     rx: Receiver<Submit>,
-    /// The request the ranks are generating: its id and where its tokens go.
-    running: Option<(u64, UnboundedSender<Event>)>,
-    /// Its early end has been asked for (its handler is gone).
-    cancelling: bool,
+    /// Requests sent to the ranks and not yet served (at most `max_batch`: rank 0 admits
+    /// each into the batch at its next step), by id.
+    running: BTreeMap<u64, Running>,
+    max_batch: usize,
     /// Ctrl-C: the ranks were told to finish; nothing new is sent.
     stopping: bool,
 }
 
+/// A request the ranks have: where its tokens go.
+struct Running {
+    events: UnboundedSender<Event>,
+    /// Its early end has been asked for (its handler is gone).
+    cancelling: bool,
+}
+
 impl Observer for Engine {
+    fn attach(&mut self, control: &Arc<ControlBlock>) {
+        let _ = self.shared.control.set(control.clone());
+    }
+
     fn report(&mut self, _rank: usize, report: Report) {
         match report {
             Report::Loaded { seconds, .. } => {
@@ -367,39 +397,48 @@ impl Observer for Engine {
                 eprintln!("tprun serve: ready");
             }
             Report::Served { id, stopped, .. } => {
-                self.shared.running.store(0, Ordering::Relaxed);
-                if std::mem::take(&mut self.cancelling) {
-                    self.shared.cancelled.fetch_add(1, Ordering::Relaxed);
+                if let Some(r) = self.running.remove(&id) {
+                    if r.cancelling {
+                        self.shared.cancelled.fetch_add(1, Ordering::Relaxed);
+                    }
+                    let _ = r.events.send(Event::Done { stopped });
                 }
-                if let Some((rid, tx)) = self.running.take() {
-                    debug_assert_eq!(rid, id);
-                    let _ = tx.send(Event::Done { stopped });
-                }
+                self.shared
+                    .running
+                    .store(self.running.len() as u64, Ordering::Relaxed);
             }
             _ => {}
         }
     }
 
-    fn tokens(&mut self, tokens: &[u32]) {
+    fn tokens(&mut self, tokens: &[(u32, u32)]) {
         self.shared
             .tokens
             .fetch_add(tokens.len() as u64, Ordering::Relaxed);
-        if let Some((_, tx)) = &self.running {
-            for &t in tokens {
+        for &(tag, t) in tokens {
+            // The tag is the id's low half (unique among the few in flight).
+            if let Some(r) = self.running.iter().find(|(&id, _)| id as u32 == tag) {
                 // A handler that is gone (client disconnected, stop string met) drops them.
-                let _ = tx.send(Event::Token(t));
+                let _ = r.1.events.send(Event::Token(t));
             }
         }
     }
 
     fn stop(&mut self, ranks: &RankConns<'_>) -> bool {
-        eprintln!("tprun serve: stopping (after the running request; Ctrl-C again to abort)");
+        eprintln!("tprun serve: stopping (after the running requests; Ctrl-C again to abort)");
         self.stopping = true;
         self.shared.ready.store(false, Ordering::SeqCst);
+        // Rank 0 alone decides when the batch changes (the others follow its step plans): it
+        // alone hears of cancels and the shutdown, which is the last message it gets. A rank
+        // must exit with nothing unread on its socket (a socket closed with unread data
+        // resets the connection, and its last message, `Done`, could be lost).
         ranks
-            .send_all(&Msg::Work {
-                payload: job::encode(&Work::Shutdown),
-            })
+            .send_to(
+                0,
+                &Msg::Work {
+                    payload: job::encode(&Work::Shutdown),
+                },
+            )
             .is_ok()
     }
 
@@ -410,14 +449,6 @@ impl Observer for Engine {
     }
 
     fn tick(&mut self, ranks: &RankConns<'_>) -> anyhow::Result<()> {
-        // A running request whose handler is gone (client disconnected, or a stop string
-        // ended its text): the ranks end it early and take the next one.
-        if let Some((id, tx)) = &self.running {
-            if tx.is_closed() && !self.cancelling {
-                ranks.control().request_cancel(*id);
-                self.cancelling = true;
-            }
-        }
         if self.stopping {
             // Queued requests will not run: their handlers see their channels close.
             while self.rx.try_recv().is_ok() {
@@ -425,20 +456,37 @@ impl Observer for Engine {
             }
             return Ok(());
         }
-        if self.running.is_some() || !self.shared.ready.load(Ordering::SeqCst) {
+        // A request whose handler is gone (client disconnected, or a stop string ended its
+        // text): rank 0 evicts it from the batch at its next step, freeing its slot.
+        for (&id, r) in self.running.iter_mut() {
+            if r.events.is_closed() && !r.cancelling {
+                let payload = job::encode(&Work::Cancel(id));
+                ranks.send_to(0, &Msg::Work { payload })?;
+                r.cancelling = true;
+            }
+        }
+        if !self.shared.ready.load(Ordering::SeqCst) {
             return Ok(());
         }
-        let Ok(next) = self.rx.try_recv() else {
-            return Ok(());
-        };
-        self.shared.queued.fetch_sub(1, Ordering::Relaxed);
-        if next.events.is_closed() {
-            return Ok(()); // its client left while it waited
+        while self.running.len() < self.max_batch {
+            let Ok(next) = self.rx.try_recv() else {
+                break;
+            };
+            self.shared.queued.fetch_sub(1, Ordering::Relaxed);
+            if next.events.is_closed() {
+                continue; // its client left while it waited
+            }
+            let payload = job::encode(&Work::Generate(next.req.clone()));
+            ranks.send_all(&Msg::Work { payload })?;
+            let r = Running {
+                events: next.events,
+                cancelling: false,
+            };
+            self.running.insert(next.req.id, r);
         }
-        let payload = job::encode(&Work::Generate(next.req.clone()));
-        ranks.send_all(&Msg::Work { payload })?;
-        self.running = Some((next.req.id, next.events));
-        self.shared.running.store(1, Ordering::Relaxed);
+        self.shared
+            .running
+            .store(self.running.len() as u64, Ordering::Relaxed);
         Ok(())
     }
 }
@@ -531,17 +579,26 @@ async fn health(State(s): State<Arc<Shared>>) -> Response {
 }
 
 async fn metrics(State(s): State<Arc<Shared>>) -> Response {
+    let batch = s.control.get().map(|c| c.batch_stats()).unwrap_or_default();
     let mut text = format!(
         "# TYPE tprun_requests_total counter\ntprun_requests_total {}\n\
          # TYPE tprun_generated_tokens_total counter\ntprun_generated_tokens_total {}\n\
          # TYPE tprun_queue_depth gauge\ntprun_queue_depth {}\n\
+         # TYPE tprun_requests_running gauge\ntprun_requests_running {}\n\
          # TYPE tprun_batch_size gauge\ntprun_batch_size {}\n\
+         # TYPE tprun_batch_size_peak gauge\ntprun_batch_size_peak {}\n\
+         # TYPE tprun_decode_steps_total counter\ntprun_decode_steps_total {}\n\
+         # TYPE tprun_decode_rows_total counter\ntprun_decode_rows_total {}\n\
          # TYPE tprun_cancelled_total counter\ntprun_cancelled_total {}\n\
          # TYPE tprun_ready gauge\ntprun_ready {}\n",
         s.requests.load(Ordering::Relaxed),
         s.tokens.load(Ordering::Relaxed),
         s.queued.load(Ordering::Relaxed),
         s.running.load(Ordering::Relaxed),
+        batch.size,
+        batch.peak,
+        batch.steps,
+        batch.rows,
         s.cancelled.load(Ordering::Relaxed),
         u8::from(s.ready.load(Ordering::SeqCst)),
     );
@@ -578,6 +635,8 @@ struct Sampling {
     seed: u64,
     stop: Vec<String>,
     stream: bool,
+    /// Generate past the model's end-of-sequence ids (vLLM's extension; for benchmarks).
+    ignore_eos: bool,
 }
 
 /// Parses the JSON body and the fields both endpoints take; `Err` is the answer to send.
@@ -656,11 +715,12 @@ fn parse_common(s: &Shared, body: &Bytes, kind: Kind) -> Result<(Value, Sampling
     if stop.iter().any(String::is_empty) {
         return Err(invalid("stop", "a `stop` string may not be empty"));
     }
-    let stream = match v.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(invalid("stream", "`stream` must be true or false")),
+    let flag = |k: &str| match v.get(k) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(invalid(k, format!("`{k}` must be true or false"))),
     };
+    let (stream, ignore_eos) = (flag("stream")?, flag("ignore_eos")?);
     let max_tokens = match kind {
         Kind::Text => whole("max_tokens", 16, u32::MAX as u64)?,
         Kind::Chat if v.get("max_completion_tokens").is_some_and(|x| !x.is_null()) => {
@@ -685,6 +745,7 @@ fn parse_common(s: &Shared, body: &Bytes, kind: Kind) -> Result<(Value, Sampling
         seed: whole("seed", fresh_seed, u64::MAX)?,
         stop,
         stream,
+        ignore_eos,
     };
     Ok((v, sampling))
 }
@@ -874,7 +935,11 @@ async fn generate(s: Arc<Shared>, ids: Vec<u32>, sp: Sampling, kind: Kind) -> Re
         id,
         prompt: ids,
         max_new_tokens: budget,
-        stop: s.eos.clone(),
+        stop: if sp.ignore_eos {
+            Vec::new()
+        } else {
+            s.eos.clone()
+        },
         temperature: sp.temperature,
         top_k: sp.top_k,
         top_p: sp.top_p,

@@ -231,7 +231,7 @@ fn check_server(world: usize, model: Option<&Path>) {
         })
         .collect();
     std::thread::scope(|s| {
-        let hs: Vec<_> = (0..6)
+        let hs: Vec<_> = (0..16)
             .map(|i| {
                 let srv = &srv;
                 s.spawn(move || {
@@ -411,24 +411,11 @@ fn a_disconnect_mid_stream_frees_the_ranks() {
                 .unwrap();
             line.rsplit(' ').next().unwrap().parse().unwrap()
         };
-        let body = completion(&srv, "Once upon a time", 4000, true).to_string();
-        {
-            let mut s = TcpStream::connect(&srv.addr).unwrap();
-            write!(
-                s,
-                "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
-                body.len()
-            )
-            .unwrap();
-            // Read until the first token's event has come, then hang up.
-            let mut got = Vec::new();
-            let mut buf = [0u8; 256];
-            while !String::from_utf8_lossy(&got).contains("\"text\"") {
-                let n = s.read(&mut buf).unwrap();
-                assert!(n > 0, "the stream ended before its first token");
-                got.extend_from_slice(&buf[..n]);
-            }
-        }
+        // Read until the first token's event has come, then hang up.
+        drop(first_token(
+            &srv,
+            &completion(&srv, "Once upon a time", 4000, true),
+        ));
         // The ranks go on to the next request, which is answered in full.
         let v = srv.json("/v1/completions", &completion(&srv, "Lily", 5, false));
         assert!(v["usage"]["completion_tokens"]
@@ -453,6 +440,77 @@ fn a_disconnect_mid_stream_frees_the_ranks() {
             generated < 2000.0,
             "{generated} tokens made after a disconnect"
         );
+    }
+}
+
+/// Sends a streaming request and reads until its first token's event has come: the
+/// request is then in the batch. Dropping the stream hangs up.
+fn first_token(srv: &Server, body: &Value) -> TcpStream {
+    tokens_in(srv, body, 1)
+}
+
+/// Sends a streaming request and reads until `n` token events have come.
+fn tokens_in(srv: &Server, body: &Value, n: usize) -> TcpStream {
+    let body = body.to_string();
+    let mut s = TcpStream::connect(&srv.addr).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 256];
+    while String::from_utf8_lossy(&got).matches("\"text\"").count() < n {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream ended before its first token");
+        got.extend_from_slice(&buf[..n]);
+    }
+    s
+}
+
+/// Continuous batching: a request that arrives while another runs joins its batch (its first
+/// token comes while the other is thousands of tokens from its end), rank 0's step
+/// statistics say so, and two disconnects free both slots. At 1 and 4 ranks.
+#[test]
+fn requests_join_a_running_batch_and_leave_it() {
+    for world in [1, 4] {
+        let env = Env::new("serve-batch");
+        let srv = Server::start(
+            &env,
+            world,
+            None,
+            &["--max-seq", "4096", "--max-batch", "3"],
+        );
+        let metric = |name: &str| -> f64 {
+            let (_, m) = srv.request("GET", "/metrics", "");
+            let line = m
+                .lines()
+                .find(|l| l.starts_with(&format!("{name} ")))
+                .unwrap();
+            line.rsplit(' ').next().unwrap().parse().unwrap()
+        };
+        let long = |prompt: &str| {
+            let mut v = completion(&srv, prompt, 4000, true);
+            v["ignore_eos"] = json!(true);
+            v
+        };
+        let a = first_token(&srv, &long("Once upon a time"));
+        // b's second token comes from a step that ran a's too.
+        let b = tokens_in(&srv, &long("The little dog"), 2);
+        assert!(metric("tprun_batch_size_peak") >= 2.0, "world {world}");
+        assert!(metric("tprun_decode_rows_total") > metric("tprun_decode_steps_total"));
+        drop((a, b));
+        // Both are evicted at the ranks' next steps; a third request then runs alone.
+        let v = srv.json("/v1/completions", &completion(&srv, "Lily", 5, false));
+        assert_eq!(v["usage"]["completion_tokens"], 5, "{v}");
+        assert_eq!(metric("tprun_cancelled_total"), 2.0);
+        assert_eq!(metric("tprun_batch_size"), 0.0);
+        assert!(metric("tprun_batch_size_peak") <= 3.0);
+        assert!(metric("tprun_generated_tokens_total") < 7000.0);
+        let status = srv.stop();
+        assert!(status.success(), "{status:?}");
+        env.assert_clean();
     }
 }
 

@@ -8,9 +8,10 @@
 //! - abort word: 0 while running, else `reason << 16 | (rank + 1)` (rank 0 = none), set once;
 //! - barrier: arrival count and generation (sense reversal by generation number);
 //! - per-rank slots: pid, phase, heartbeat, error code, barriers arrived at;
-//! - token ring: rank 0 appends generated token ids, the coordinator consumes them;
-//! - serve's early stop: the request the coordinator wants ended, and rank 0's decision of
-//!   the token count at which every rank ends it.
+//! - token ring: rank 0 appends generated token ids, each tagged with its sequence (serve's
+//!   request), the coordinator consumes them;
+//! - serve's step plan: before each batched step rank 0 publishes which requests join and
+//!   leave the batch; every rank reads it (and acknowledges it in its slot) before the step.
 //!
 //! Every wait here has a deadline and checks the abort word.
 
@@ -29,8 +30,10 @@ use crate::{IpcError, Result};
 pub const MAX_RANKS: usize = 64;
 /// Token ring capacity; rank 0 waits when the coordinator falls this far behind.
 pub const RING: usize = 4096;
+/// Most entries of one step plan.
+pub const PLAN_MAX: usize = 256;
 const MAGIC: u64 = u64::from_le_bytes(*b"TPRUNCB1");
-const LAYOUT_VERSION: u32 = 2;
+const LAYOUT_VERSION: u32 = 3;
 /// Longest single futex sleep, so that deadlines and the abort word are checked regularly even
 /// if a wake-up is lost to a dying process.
 const MAX_SLEEP: Duration = Duration::from_millis(20);
@@ -56,6 +59,27 @@ struct RankSlot {
     /// Number of barriers this rank has arrived at: who is missing from a barrier that times
     /// out is whoever has arrived at fewer than the waiter.
     arrivals: AtomicU32,
+    /// The last step plan this rank has read (serve).
+    plan_ack: AtomicU64,
+}
+
+#[repr(C)]
+struct BatchWords {
+    /// Batched steps run, and the rows (sequences) they ran in all.
+    steps: AtomicU64,
+    rows: AtomicU64,
+    /// Sequences in the batch now, and the most there have been.
+    size: AtomicU64,
+    peak: AtomicU64,
+}
+
+/// Rank 0's batch statistics ([`ControlBlock::batch_stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BatchStats {
+    pub steps: u64,
+    pub rows: u64,
+    pub size: u64,
+    pub peak: u64,
 }
 
 #[repr(C)]
@@ -69,13 +93,15 @@ struct Shared {
     ring_head: CachePadded<AtomicU64>,
     /// Tokens consumed so far (coordinator writes, Release).
     ring_tail: CachePadded<AtomicU64>,
-    /// `serve`: the id of the request the coordinator wants ended early (0: none).
-    cancel: CachePadded<AtomicU64>,
-    /// `serve`: rank 0's decision for request `stop_req` (0: none yet): every rank ends it
-    /// once it has `stop_count` tokens. Written count first, then id (Release).
-    stop_req: CachePadded<AtomicU64>,
-    stop_count: CachePadded<AtomicU64>,
-    ring: [AtomicU32; RING],
+    /// `serve`: the number of the step whose plan `plan` holds (0: none yet). Written after
+    /// the entries and their count (Release).
+    plan_seq: CachePadded<AtomicU64>,
+    plan_len: CachePadded<AtomicU32>,
+    plan: [AtomicU64; PLAN_MAX],
+    /// `serve`: rank 0's batch statistics, for the coordinator's metrics.
+    batch: CachePadded<BatchWords>,
+    /// `tag << 32 | token`.
+    ring: [AtomicU64; RING],
 }
 
 // The layout is shared between processes of the same build only (the protocol version and the
@@ -378,8 +404,8 @@ impl ControlBlock {
 
     // ---- token ring -------------------------------------------------------------------------
 
-    /// Appends a token (rank 0). Waits while the ring is full, up to `timeout`.
-    pub fn push_token(&self, token: u32, timeout: Duration) -> Result<()> {
+    /// Appends `token` of sequence `tag` (rank 0), waiting while the ring is full.
+    pub fn push_token(&self, tag: u32, token: u32, timeout: Duration) -> Result<()> {
         let s = self.shared();
         // Relaxed: only this rank writes the head.
         let head = s.ring_head.load(Ordering::Relaxed);
@@ -395,52 +421,93 @@ impl ControlBlock {
             }
             std::thread::sleep(Duration::from_micros(200));
         }
-        s.ring[(head % RING as u64) as usize].store(token, Ordering::Relaxed);
+        let word = (tag as u64) << 32 | token as u64;
+        s.ring[(head % RING as u64) as usize].store(word, Ordering::Relaxed);
         // Release: publishes the token store above to the coordinator's Acquire load of head.
         s.ring_head.store(head + 1, Ordering::Release);
         Ok(())
     }
 
-    // ---- serve's early stop --------------------------------------------------------------
-
-    /// Asks that request `id` (never 0) end early (coordinator: its client went away or a
-    /// stop string ended its text).
-    pub fn request_cancel(&self, id: u64) {
-        self.shared().cancel.store(id, Ordering::Release);
-    }
-
-    /// The request the coordinator last asked to end (0: none). Rank 0 turns it into a
-    /// [`ControlBlock::set_stop`] all ranks follow, so they all end at the same step.
-    pub fn cancel_requested(&self) -> u64 {
-        self.shared().cancel.load(Ordering::Acquire)
-    }
-
-    /// Rank 0: every rank ends request `id` once it has `count` tokens.
-    pub fn set_stop(&self, id: u64, count: u64) {
-        let s = self.shared();
-        s.stop_count.store(count, Ordering::Relaxed);
-        // Release: the count above is visible to whoever sees this id.
-        s.stop_req.store(id, Ordering::Release);
-    }
-
-    /// The token count at which request `id` ends, once rank 0 has decided one.
-    pub fn stop_for(&self, id: u64) -> Option<u64> {
-        let s = self.shared();
-        (s.stop_req.load(Ordering::Acquire) == id).then(|| s.stop_count.load(Ordering::Relaxed))
-    }
-
-    /// Moves every token appended since the last call into `out` (coordinator).
-    pub fn pop_tokens(&self, out: &mut Vec<u32>) {
+    /// Moves every (tag, token) appended since the last call into `out` (coordinator).
+    pub fn pop_tokens(&self, out: &mut Vec<(u32, u32)>) {
         let s = self.shared();
         // Acquire: pairs with push_token's Release store of head: the tokens are visible.
         let head = s.ring_head.load(Ordering::Acquire);
         let mut tail = s.ring_tail.load(Ordering::Relaxed);
         while tail < head {
-            out.push(s.ring[(tail % RING as u64) as usize].load(Ordering::Relaxed));
+            let w = s.ring[(tail % RING as u64) as usize].load(Ordering::Relaxed);
+            out.push(((w >> 32) as u32, w as u32));
             tail += 1;
         }
         // Release: our reads of the slots happen before rank 0 may overwrite them.
         s.ring_tail.store(tail, Ordering::Release);
+    }
+
+    // ---- serve's step plan ----------------------------------------------------------------
+
+    /// Rank 0: publishes the plan of step `seq` (> the last one; at most [`PLAN_MAX`]
+    /// entries, whose meaning belongs to the ranks). Call only once every rank has read the
+    /// previous plan ([`ControlBlock::plan_read_by_all`]): there is one plan at a time.
+    pub fn publish_plan(&self, seq: u64, entries: &[u64]) {
+        let s = self.shared();
+        assert!(
+            entries.len() <= PLAN_MAX,
+            "a plan of {} entries",
+            entries.len()
+        );
+        for (slot, &e) in s.plan.iter().zip(entries) {
+            slot.store(e, Ordering::Relaxed);
+        }
+        s.plan_len.store(entries.len() as u32, Ordering::Relaxed);
+        // Release: the entries and their count above are visible to whoever sees `seq`.
+        s.plan_seq.store(seq, Ordering::Release);
+    }
+
+    /// The plan of step `seq`, once rank 0 has published it (then recorded as read by
+    /// `rank`); `None` before.
+    pub fn read_plan(&self, rank: usize, seq: u64) -> Option<Vec<u64>> {
+        let s = self.shared();
+        if s.plan_seq.load(Ordering::Acquire) != seq {
+            return None;
+        }
+        let n = (s.plan_len.load(Ordering::Relaxed) as usize).min(PLAN_MAX);
+        let plan = s.plan[..n]
+            .iter()
+            .map(|e| e.load(Ordering::Relaxed))
+            .collect();
+        // Release: our reads above happen before rank 0, seeing the ack, overwrites them.
+        s.slots[rank].plan_ack.store(seq, Ordering::Release);
+        Some(plan)
+    }
+
+    /// Rank 0: a step of `rows` sequences just ran (0: none), and the batch now holds
+    /// `size`.
+    pub fn record_batch(&self, rows: usize, size: usize) {
+        let b = &self.shared().batch;
+        if rows > 0 {
+            b.steps.fetch_add(1, Ordering::Relaxed);
+            b.rows.fetch_add(rows as u64, Ordering::Relaxed);
+        }
+        b.size.store(size as u64, Ordering::Relaxed);
+        b.peak.fetch_max(rows.max(size) as u64, Ordering::Relaxed);
+    }
+
+    /// Rank 0's batch statistics so far (coordinator).
+    pub fn batch_stats(&self) -> BatchStats {
+        let b = &self.shared().batch;
+        BatchStats {
+            steps: b.steps.load(Ordering::Relaxed),
+            rows: b.rows.load(Ordering::Relaxed),
+            size: b.size.load(Ordering::Relaxed),
+            peak: b.peak.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Whether every rank has read the plan of step `seq` (rank 0, before publishing the
+    /// next one).
+    pub fn plan_read_by_all(&self, seq: u64) -> bool {
+        let s = self.shared();
+        (1..self.world).all(|r| s.slots[r].plan_ack.load(Ordering::Acquire) >= seq)
     }
 }
 
@@ -544,19 +611,33 @@ mod tests {
         }
     }
 
-    /// A cancel is only a request; the stop decision names its request, so a decision for
-    /// one request never stops another.
+    /// A plan is seen only by the step it is for, and rank 0 learns when every rank has
+    /// read it.
     #[test]
-    fn early_stop_is_per_request() {
-        let cb = ControlBlock::create(2, &[7; 16]).unwrap();
-        assert_eq!(cb.cancel_requested(), 0);
-        assert_eq!(cb.stop_for(5), None);
-        cb.request_cancel(5);
-        assert_eq!(cb.cancel_requested(), 5);
-        assert_eq!(cb.stop_for(5), None);
-        cb.set_stop(5, 12);
-        assert_eq!(cb.stop_for(5), Some(12));
-        assert_eq!(cb.stop_for(6), None);
+    fn a_step_plan_reaches_every_rank_once_published() {
+        let token = [7u8; 16];
+        let cb = ControlBlock::create(3, &token).unwrap();
+        let other = open_clone(&cb, &token);
+        assert_eq!(other.read_plan(1, 1), None);
+        cb.publish_plan(1, &[5, 1 << 63 | 9]);
+        assert_eq!(other.read_plan(1, 2), None);
+        assert!(!cb.plan_read_by_all(1));
+        assert_eq!(other.read_plan(1, 1), Some(vec![5, 1 << 63 | 9]));
+        assert!(!cb.plan_read_by_all(1), "rank 2 has not read it");
+        assert_eq!(other.read_plan(2, 1), Some(vec![5, 1 << 63 | 9]));
+        assert!(cb.plan_read_by_all(1));
+        cb.publish_plan(2, &[]);
+        assert_eq!(other.read_plan(2, 2), Some(vec![]));
+        other.record_batch(3, 3);
+        other.record_batch(0, 2);
+        other.record_batch(2, 2);
+        let want = BatchStats {
+            steps: 2,
+            rows: 5,
+            size: 2,
+            peak: 3,
+        };
+        assert_eq!(cb.batch_stats(), want);
     }
 
     #[test]
@@ -566,19 +647,22 @@ mod tests {
         let rank0 = open_clone(&cb, &token);
         let mut got = Vec::new();
         for t in 0..(RING as u32 * 2 + 5) {
-            rank0.push_token(t, Duration::from_secs(1)).unwrap();
+            rank0.push_token(t % 3, t, Duration::from_secs(1)).unwrap();
             if t % 1000 == 999 {
                 cb.pop_tokens(&mut got);
             }
         }
         cb.pop_tokens(&mut got);
-        assert_eq!(got, (0..(RING as u32 * 2 + 5)).collect::<Vec<_>>());
+        let want: Vec<(u32, u32)> = (0..(RING as u32 * 2 + 5)).map(|t| (t % 3, t)).collect();
+        assert_eq!(got, want);
         // A full ring times out instead of overwriting unread tokens.
         for t in 0..RING as u32 {
-            rank0.push_token(t, Duration::from_secs(1)).unwrap();
+            rank0
+                .push_token(u32::MAX, t, Duration::from_secs(1))
+                .unwrap();
         }
         assert!(matches!(
-            rank0.push_token(0, Duration::from_millis(10)),
+            rank0.push_token(0, 0, Duration::from_millis(10)),
             Err(IpcError::Timeout(_))
         ));
     }

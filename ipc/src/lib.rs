@@ -12,6 +12,6 @@ pub mod control;
 pub mod error;
 pub mod wire;
 
-pub use control::{AbortReason, ControlBlock};
+pub use control::{AbortReason, BatchStats, ControlBlock};
 pub use error::{IpcError, Result};
 pub use wire::{Conn, Msg, PROTOCOL_VERSION};

@@ -33,9 +33,12 @@ pub fn run<D: Device>(
         conn,
         dev.clone(),
         &spec.model,
-        spec.dtype,
-        spec.kv_dtype,
-        spec.max_seq,
+        &LoadOptions {
+            dtype: spec.dtype,
+            kv_dtype: spec.kv_dtype,
+            max_seq: spec.max_seq,
+            ..LoadOptions::default()
+        },
     )?;
     // Measurement only (wrong tokens at world > 1): the step without its allreduces.
     model.set_no_allreduce(spec.no_allreduce);
@@ -82,7 +85,7 @@ pub fn run<D: Device>(
         }
         last = Some(now);
         if rank == 0 {
-            control.push_token(id, timeout)?;
+            control.push_token(0, id, timeout)?;
         }
         control.beat(rank);
         Ok(true)
@@ -144,18 +147,10 @@ pub(crate) fn load<D: Device>(
     conn: &Conn,
     dev: Arc<D>,
     source: &ModelSource,
-    dtype: Option<tprun_kernels::DType>,
-    kv_dtype: tprun_kernels::DType,
-    max_seq: Option<usize>,
+    opts: &LoadOptions,
 ) -> Result<Model<D>, RankError> {
     ctx.enter(Phase::Loading);
     let t0 = Instant::now();
-    let opts = LoadOptions {
-        dtype,
-        kv_dtype,
-        max_seq,
-        ..LoadOptions::default()
-    };
     // Loading a large shard is disk-bound and may outlast --timeout; it beats on its own
     // thread meanwhile so that the coordinator does not take it for a stall. Rank 0 reports
     // its bytes (at most every 1/8 s: the coordinator only draws a bar).
@@ -174,7 +169,7 @@ pub(crate) fn load<D: Device>(
             cfg,
             ctx.rank,
             ctx.world,
-            &opts,
+            opts,
             &mut |done, total| {
                 if ctx.rank == 0 && (last.elapsed() >= Duration::from_millis(125) || done == total)
                 {

@@ -97,7 +97,7 @@ pub enum Task {
     /// `bench gemv`: matrix–vector products alone, on each rank's device.
     BenchGemv(GemvBenchSpec),
     /// `serve`: load the model, then generate for each [`Work::Generate`] the coordinator
-    /// sends (`Msg::Work`), one sequence at a time, until [`Work::Shutdown`].
+    /// sends (`Msg::Work`), as a continuous batch, until [`Work::Shutdown`].
     Serve(ServeSpec),
 }
 
@@ -110,13 +110,19 @@ pub struct ServeSpec {
     pub kv_dtype: DType,
     pub max_seq: Option<usize>,
     pub graph: bool,
+    /// Most sequences decoding together (the KV cache's slots).
+    pub max_batch: usize,
 }
 
-/// What the coordinator sends a `serve` job's ranks (every rank the same, in the same order).
+/// What the coordinator sends a `serve` job's ranks: requests to every rank, in the same
+/// order; cancels and the shutdown to rank 0 alone, which decides when each takes effect and
+/// tells the others through the control block's step plans.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Work {
     Generate(GenRequest),
-    /// Finish: close the communicator and exit 0.
+    /// End request `id` early (its client went away, or a stop string ended its text).
+    Cancel(u64),
+    /// Finish the requests already sent, then close the communicator and exit 0.
     Shutdown,
 }
 

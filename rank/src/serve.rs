@@ -1,30 +1,70 @@
-//! A `serve` job on one rank: load the shard, join the communicator, then generate each
-//! request the coordinator sends (`Msg::Work`), one sequence at a time, until it says stop.
+//! A `serve` job on one rank: load the shard (with a KV-cache slot per sequence of the
+//! batch), join the communicator, then decode the requests the coordinator sends
+//! (`Msg::Work`) as a continuous batch until it says stop.
 //!
-//! Every rank receives the same requests in the same order and runs them in lockstep (the
-//! same sampler seed per request, so the same tokens); rank 0 publishes the tokens through the
-//! control block's token ring and reports the end of each request. A request the coordinator
-//! cancels (through the control block) ends early at a token count rank 0 picks and every
-//! rank follows. A rank waiting for work beats, so an idle server is not taken for a stalled
-//! job.
+//! Every rank receives the same requests in the same order over its socket, but only rank 0
+//! decides when each joins the batch or leaves it early: before every step it publishes the
+//! step's plan in the control block (requests admitted, requests evicted, or the end), and
+//! every rank reads it before running the step, so all run the same batch with no socket
+//! round trip per token. Admitted requests are prefilled one by one into a free slot, then
+//! the batch runs one token per sequence per step ([`Model::step_batch`]); a sequence
+//! leaves on its stop id or its token budget (every rank sees the same tokens, so all agree
+//! without being told). Rank 0 publishes each token, tagged with its request, through the
+//! control block's token ring and reports each request's end.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use tprun_ipc::control::describe_abort;
+use tprun_ipc::control::{describe_abort, PLAN_MAX};
 use tprun_ipc::{Conn, IpcError, Msg};
+use tprun_kernels::ops::SampleParams;
 use tprun_kernels::Device;
 
 use crate::comm::Communicator;
 use crate::decode::{load, report};
 use crate::job::{self, Backend, GenRequest, Report, ServeSpec, Work};
-use crate::model::{generate, GenerateOptions, Model, SamplerConfig};
+use crate::model::{BatchRow, GenerateOptions, LoadOptions, Model, SamplerConfig};
 use crate::run::RankCtx;
 use crate::{Phase, RankError};
 
-/// Tokens past rank 0's sight of a cancel at which every rank ends the request (see
-/// `serve_one`).
-const EARLY_STOP_MARGIN: u64 = 3;
+/// A plan entry `EVICT | id`: request `id` leaves the batch (or the queue) now.
+const EVICT: u64 = 1 << 63;
+/// A plan entry: every request is done; close and exit.
+const SHUTDOWN: u64 = 1 << 62;
+
+/// A request in the batch.
+struct Seq {
+    req: GenRequest,
+    slot: usize,
+    params: SampleParams,
+    /// Most tokens it may generate (its max_new_tokens, capped by the cache).
+    budget: usize,
+    /// Tokens generated so far (a stop id is not one).
+    generated: usize,
+    /// Its last token, which the next step runs.
+    last: u32,
+}
+
+impl Seq {
+    fn row(&self) -> BatchRow {
+        BatchRow {
+            slot: self.slot,
+            token: self.last,
+            pos: self.req.prompt.len() + self.generated - 1,
+            params: self.params,
+        }
+    }
+}
+
+/// What this rank knows of the work: the batch, and the requests received but not yet
+/// admitted (rank 0 also the cancels and whether to shut down).
+struct Batch {
+    running: Vec<Seq>,
+    inbox: VecDeque<GenRequest>,
+    cancels: Vec<u64>,
+    shutdown: bool,
+}
 
 pub fn run<D: Device>(
     ctx: &RankCtx,
@@ -40,9 +80,13 @@ pub fn run<D: Device>(
         conn,
         dev.clone(),
         &spec.model,
-        spec.dtype,
-        spec.kv_dtype,
-        spec.max_seq,
+        &LoadOptions {
+            dtype: spec.dtype,
+            kv_dtype: spec.kv_dtype,
+            max_seq: spec.max_seq,
+            slots: spec.max_batch.max(1),
+            ..LoadOptions::default()
+        },
     )?;
     model.set_graph(spec.graph);
     let mut comm = Communicator::establish(
@@ -57,87 +101,322 @@ pub fn run<D: Device>(
     if ctx.rank == 0 {
         report(conn, &Report::Ready)?;
     }
-    loop {
-        ctx.enter(Phase::Idle);
-        let work = ctx.beating(|| next_work(ctx, conn))?;
-        match work {
-            Work::Shutdown => break,
-            Work::Generate(req) => serve_one(ctx, conn, &mut model, &mut comm, &req, timeout)?,
+    let mut b = Batch {
+        running: Vec::new(),
+        inbox: VecDeque::new(),
+        cancels: Vec::new(),
+        shutdown: false,
+    };
+    for step in 1u64.. {
+        let plan = if ctx.rank == 0 {
+            plan_step(ctx, conn, &mut b, model.slots(), step, timeout)?
+        } else {
+            wait_plan(ctx, step)?
+        };
+        let mut admit = Vec::new();
+        for e in plan {
+            if e == SHUTDOWN {
+                comm.close()?;
+                return Ok(());
+            } else if e & EVICT != 0 {
+                evict(ctx, conn, &mut b, e & !EVICT)?;
+            } else {
+                admit.push(e);
+            }
         }
+        for id in admit {
+            let req = take_request(ctx, conn, &mut b, id)?;
+            start(ctx, conn, &mut model, &mut comm, &mut b, req, timeout)?;
+        }
+        if b.running.is_empty() {
+            if ctx.rank == 0 {
+                // (a first token that ended its request)
+                ctx.control.record_batch(0, 0);
+            }
+            continue;
+        }
+        ctx.enter(Phase::Decode);
+        let rows: Vec<BatchRow> = b.running.iter().map(Seq::row).collect();
+        let tokens = model.step_batch(&mut comm, &rows)?;
+        let (mut i, mut done) = (0, Vec::new());
+        for t in tokens {
+            match take(ctx, &mut b.running[i], t, timeout)? {
+                None => i += 1,
+                Some(stopped) => done.push((b.running.remove(i), stopped)),
+            }
+        }
+        // The statistics first: whoever hears of an end sees the batch without it.
+        if ctx.rank == 0 {
+            ctx.control.record_batch(rows.len(), b.running.len());
+        }
+        for (s, stopped) in done {
+            served(ctx, conn, &s.req, s.generated, stopped)?;
+        }
+        ctx.control.beat(ctx.rank);
     }
-    comm.close()?;
-    Ok(())
+    unreachable!("the steps are counted by a u64")
 }
 
-/// Waits for the coordinator's next `Msg::Work`. The coordinator hangs up on an aborted job:
-/// that is then the abort (another rank failed first), not a failure of ours.
-fn next_work(ctx: &RankCtx, conn: &Conn) -> Result<Work, RankError> {
-    let (msg, _) = conn.recv(None).map_err(|e| match ctx.control.aborted() {
-        Some((reason, who)) => IpcError::Aborted(describe_abort(reason, who)),
-        None => e,
-    })?;
+/// Rank 0: takes in the work the coordinator has sent (waiting for some when there is
+/// nothing to do), decides this step's admissions, evictions or end, and publishes them once
+/// every rank has read the previous step's plan.
+fn plan_step(
+    ctx: &RankCtx,
+    conn: &Conn,
+    b: &mut Batch,
+    slots: usize,
+    step: u64,
+    timeout: Duration,
+) -> Result<Vec<u64>, RankError> {
+    let mut block = b.running.is_empty() && b.inbox.is_empty() && !b.shutdown;
+    if block {
+        ctx.enter(Phase::Idle);
+    }
+    loop {
+        let wait = if block { None } else { Some(Duration::ZERO) };
+        let msg = match wait {
+            None => ctx.beating(|| next_work(ctx, conn, None))?,
+            Some(_) => next_work(ctx, conn, wait)?,
+        };
+        match msg {
+            None => break,
+            Some(Work::Generate(req)) => b.inbox.push_back(req),
+            Some(Work::Cancel(id)) => b.cancels.push(id),
+            Some(Work::Shutdown) => b.shutdown = true,
+        }
+        block = false;
+    }
+    let mut plan = Vec::new();
+    // Cancels of requests still here (a finished one's cancel comes too late: dropped),
+    // as many as the plan holds next to a full batch of admissions.
+    let known =
+        |id: &u64| b.running.iter().any(|s| s.req.id == *id) || b.inbox.iter().any(|r| r.id == *id);
+    let mut later = Vec::new();
+    for id in std::mem::take(&mut b.cancels) {
+        if !known(&id) || plan.contains(&(EVICT | id)) {
+            continue;
+        }
+        if plan.len() < PLAN_MAX - slots - 1 {
+            plan.push(EVICT | id);
+        } else {
+            later.push(id);
+        }
+    }
+    b.cancels = later;
+    let evicted = |id: u64| plan.contains(&(EVICT | id));
+    let staying = b.running.iter().filter(|s| !evicted(s.req.id)).count();
+    let admits: Vec<u64> = b
+        .inbox
+        .iter()
+        .map(|r| r.id)
+        .filter(|&id| !evicted(id))
+        .take(slots - staying)
+        .collect();
+    let waiting = b.inbox.iter().filter(|r| !evicted(r.id)).count();
+    if b.shutdown && staying == 0 && waiting == 0 {
+        plan.push(SHUTDOWN);
+    }
+    plan.extend(admits);
+    // One plan at a time: every rank must have read the last before it is overwritten.
+    let deadline = Instant::now() + timeout;
+    let mut naps = 0u32;
+    while !ctx.control.plan_read_by_all(step - 1) {
+        if let Some((reason, who)) = ctx.control.aborted() {
+            return Err(IpcError::Aborted(describe_abort(reason, who)).into());
+        }
+        if Instant::now() > deadline {
+            return Err(RankError::Other(format!(
+                "rank 0 waited {timeout:?} for the other ranks to read step {}'s plan",
+                step - 1
+            )));
+        }
+        nap(&mut naps);
+    }
+    ctx.control.publish_plan(step, &plan);
+    Ok(plan)
+}
+
+/// Every rank but 0: waits for rank 0's plan of step `step` (as long as the server is idle;
+/// an abort ends the wait).
+fn wait_plan(ctx: &RankCtx, step: u64) -> Result<Vec<u64>, RankError> {
+    let mut naps = 0u32;
+    let mut beat = Instant::now();
+    loop {
+        if let Some(p) = ctx.control.read_plan(ctx.rank, step) {
+            return Ok(p);
+        }
+        if let Some((reason, who)) = ctx.control.aborted() {
+            return Err(IpcError::Aborted(describe_abort(reason, who)).into());
+        }
+        if naps == 1000 {
+            ctx.enter(Phase::Idle);
+        }
+        if beat.elapsed() > Duration::from_millis(250) {
+            ctx.control.beat(ctx.rank);
+            beat = Instant::now();
+        }
+        nap(&mut naps);
+    }
+}
+
+/// A wait's pause: spinning at first (a step's plan comes within microseconds), then
+/// sleeping longer and longer, up to 1 ms (an idle server).
+fn nap(naps: &mut u32) {
+    *naps = naps.saturating_add(1);
+    match *naps {
+        0..=200 => std::hint::spin_loop(),
+        n => std::thread::sleep(Duration::from_micros((n as u64 / 8).min(1000))),
+    }
+}
+
+/// The coordinator's next `Msg::Work`, waiting at most `wait` (`None`: until it comes). The
+/// coordinator hangs up on an aborted job: that is then the abort (another rank failed
+/// first), not a failure of ours.
+fn next_work(
+    ctx: &RankCtx,
+    conn: &Conn,
+    wait: Option<Duration>,
+) -> Result<Option<Work>, RankError> {
+    let msg = match conn.recv(wait) {
+        Ok((m, _)) => m,
+        Err(IpcError::Timeout(_)) if wait.is_some() => return Ok(None),
+        Err(e) => {
+            return Err(match ctx.control.aborted() {
+                Some((reason, who)) => IpcError::Aborted(describe_abort(reason, who)),
+                None => e,
+            }
+            .into())
+        }
+    };
     match msg {
-        Msg::Work { payload } => Ok(job::decode(&payload)?),
+        Msg::Work { payload } => Ok(Some(job::decode(&payload)?)),
         other => Err(RankError::Other(format!(
             "expected work from the coordinator, got {other:?}"
         ))),
     }
 }
 
-fn serve_one<D: Device>(
+/// Request `id` from the inbox; a rank other than 0 may not have received it yet (rank 0 saw
+/// it first): it reads its socket until it has.
+fn take_request(
+    ctx: &RankCtx,
+    conn: &Conn,
+    b: &mut Batch,
+    id: u64,
+) -> Result<GenRequest, RankError> {
+    loop {
+        if let Some(i) = b.inbox.iter().position(|r| r.id == id) {
+            return Ok(b.inbox.remove(i).expect("found above"));
+        }
+        if ctx.rank == 0 {
+            return Err(RankError::Other(format!(
+                "request {id} is not in the inbox"
+            )));
+        }
+        // Only requests come to the others (cancels and the shutdown reach them as rank 0's
+        // plans).
+        if let Some(Work::Generate(req)) = next_work(ctx, conn, None)? {
+            b.inbox.push_back(req);
+        }
+    }
+}
+
+/// Ends request `id` early: out of the batch (its slot is free) or out of the inbox.
+fn evict(ctx: &RankCtx, conn: &Conn, b: &mut Batch, id: u64) -> Result<(), RankError> {
+    if let Some(i) = b.running.iter().position(|s| s.req.id == id) {
+        let s = b.running.remove(i);
+        if ctx.rank == 0 {
+            ctx.control.record_batch(0, b.running.len());
+        }
+        return served(ctx, conn, &s.req, s.generated, true);
+    }
+    let req = take_request(ctx, conn, b, id)?;
+    served(ctx, conn, &req, 0, true)
+}
+
+/// Prefills `req` into a free slot and takes its first token; it joins the batch unless that
+/// token already ends it.
+fn start<D: Device>(
     ctx: &RankCtx,
     conn: &Conn,
     model: &mut Model<D>,
     comm: &mut Communicator<D>,
-    req: &GenRequest,
+    b: &mut Batch,
+    req: GenRequest,
     timeout: Duration,
 ) -> Result<(), RankError> {
-    ctx.enter(Phase::Prefill);
-    let sampler = SamplerConfig {
+    let budget = GenerateOptions {
+        max_new_tokens: req.max_new_tokens,
+        stop: Vec::new(),
+    }
+    .budget(model.max_seq(), req.prompt.len());
+    if budget == 0 {
+        return served(ctx, conn, &req, 0, false);
+    }
+    let slot = (0..model.slots())
+        .find(|&s| b.running.iter().all(|q| q.slot != s))
+        .expect("rank 0 admits no more requests than there are slots");
+    let params = SamplerConfig {
         temperature: req.temperature,
         top_k: req.top_k,
         top_p: req.top_p,
         seed: req.seed,
+    }
+    .params();
+    ctx.enter(Phase::Prefill);
+    let first = model.begin_in(comm, slot, &req.prompt, &params)?;
+    let mut s = Seq {
+        req,
+        slot,
+        params,
+        budget,
+        generated: 0,
+        last: first,
     };
-    let gen = GenerateOptions {
-        max_new_tokens: req.max_new_tokens,
-        stop: req.stop.clone(),
-    };
-    let control = ctx.control.clone();
-    let rank = ctx.rank;
-    // Tokens so far; whether rank 0 has decided this request's early end.
-    let mut n = 0u64;
-    let mut decided = false;
-    let stats = generate(model, comm, &sampler, &req.prompt, &gen, &mut |id| {
-        if n == 0 {
-            ctx.enter(Phase::Decode);
-        }
-        n += 1;
-        if rank == 0 {
-            control.push_token(id, timeout)?;
-            // The coordinator asked for an early end (its client went away, or a stop
-            // string ended the text). Every rank must end at the same step, and another may
-            // already be up to two tokens ahead of this one (a GPU rank reads token i while
-            // step i + 1 runs, and no rank finishes a step before rank 0 has launched it):
-            // so all end at n + 3, which none has passed.
-            if !decided && control.cancel_requested() == req.id {
-                control.set_stop(req.id, n + EARLY_STOP_MARGIN);
-                decided = true;
-            }
-        }
-        control.beat(rank);
-        Ok(control.stop_for(req.id).is_none_or(|at| n < at))
-    })?;
-    if rank == 0 {
-        report(
-            conn,
-            &Report::Served {
-                id: req.id,
-                prompt_tokens: stats.prompt_tokens,
-                generated: stats.generated,
-                stopped: stats.stopped,
-            },
-        )?;
+    if ctx.rank == 0 {
+        // Whoever sees its first token sees it in the batch.
+        ctx.control.record_batch(0, b.running.len() + 1);
+    }
+    match take(ctx, &mut s, first, timeout)? {
+        None => b.running.push(s),
+        Some(stopped) => served(ctx, conn, &s.req, s.generated, stopped)?,
     }
     Ok(())
+}
+
+/// Takes token `t` of `s`: `Some(stopped)` when it ends the request (a stop id, not
+/// published, or the last of its budget), else `None`. Rank 0 publishes it.
+fn take(ctx: &RankCtx, s: &mut Seq, t: u32, timeout: Duration) -> Result<Option<bool>, RankError> {
+    if s.req.stop.contains(&t) {
+        return Ok(Some(true));
+    }
+    if ctx.rank == 0 {
+        // The tag is the id's low half: unique among requests in flight.
+        ctx.control.push_token(s.req.id as u32, t, timeout)?;
+    }
+    s.generated += 1;
+    s.last = t;
+    Ok((s.generated >= s.budget).then_some(false))
+}
+
+/// Rank 0 reports the end of `req` (its tokens are in the ring already).
+fn served(
+    ctx: &RankCtx,
+    conn: &Conn,
+    req: &GenRequest,
+    generated: usize,
+    stopped: bool,
+) -> Result<(), RankError> {
+    if ctx.rank != 0 {
+        return Ok(());
+    }
+    report(
+        conn,
+        &Report::Served {
+            id: req.id,
+            prompt_tokens: req.prompt.len(),
+            generated,
+            stopped,
+        },
+    )
 }
