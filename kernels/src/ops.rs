@@ -323,14 +323,17 @@ impl<B> GatedDelta<'_, B> {
 /// RoPE at `pos[r]` over the head's first `rotary_dim` dims (all of them but in Qwen3.5's
 /// partial RoPE: rotate-half pairs i with i + rotary_dim/2, `inv_freq`: [rotary_dim / 2], the
 /// dims past rotary_dim kept); writes q to `q`: [rows, heads·head_dim] f32 and k, v to row
-/// `pos[r]` of `k_cache`, `v_cache`: [cap, kv_heads·head_dim] (KV dtype, rounded once). Rows
-/// whose position is `cap` or more are not stored. The result equals RmsNorm + Rope + Copy.
+/// `pos[r]` of `k_cache`, `v_cache`: [cap, kv_heads·head_dim] (KV dtype, rounded once; with
+/// `slots`, of row r's slot). Rows whose position is `cap` or more are not stored. The result
+/// equals RmsNorm + Rope + Copy.
 pub struct QkvRope<'a, B> {
     pub qkv: View<'a, B>,
     pub q: View<'a, B>,
     pub k_cache: View<'a, B>,
     pub v_cache: View<'a, B>,
     pub pos: View<'a, B>,
+    /// Row r's cache slot (continuous batching; see [`CacheSlots`]); `None`: one sequence.
+    pub slots: Option<CacheSlots<'a, B>>,
     pub inv_freq: View<'a, B>,
     pub q_norm: Option<View<'a, B>>,
     pub k_norm: Option<View<'a, B>>,
@@ -342,14 +345,54 @@ pub struct QkvRope<'a, B> {
     pub rotary_dim: usize,
 }
 
+/// The cache slots of a batch of sequences: `k_cache` and `v_cache` hold `count` slots of
+/// `cap` rows each (`cap` = their rows / `count`), and row r of the op uses slot `ids[r]`
+/// (u32 in device memory, like the positions; an id ≥ `count` is clamped to the last slot),
+/// with its position counted within the slot.
+pub struct CacheSlots<'a, B> {
+    pub ids: View<'a, B>,
+    pub count: usize,
+}
+
+impl<B> Clone for CacheSlots<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B> std::marker::Copy for CacheSlots<'_, B> {}
+
+impl<B> CacheSlots<'_, B> {
+    /// Checks the slots of `op` for `rows` rows over a cache of `cache_rows` rows.
+    fn validate(&self, op: &'static str, rows: usize, cache_rows: usize) -> Result<()> {
+        if self.count == 0 || !cache_rows.is_multiple_of(self.count) {
+            return Err(bad(
+                op,
+                format!("a cache of {cache_rows} rows is not {} slots", self.count),
+            ));
+        }
+        expect(op, "slots", &self.ids, rows, U32)
+    }
+}
+
+/// Rows of one sequence's cache: all of it, or one slot's share.
+fn slot_rows<B>(slots: &Option<CacheSlots<'_, B>>, cache_rows: usize) -> usize {
+    cache_rows / slots.as_ref().map_or(1, |s| s.count.max(1))
+}
+
 impl<B> QkvRope<'_, B> {
-    /// Rows of the cache.
+    /// Rows of one sequence's cache (of one slot, with [`QkvRope::slots`]).
     pub fn cap(&self) -> usize {
-        self.k_cache.len / (self.kv_heads * self.head_dim).max(1)
+        slot_rows(
+            &self.slots,
+            self.k_cache.len / (self.kv_heads * self.head_dim).max(1),
+        )
     }
 
     pub fn validate(&self) -> Result<()> {
         let (d, kv) = (self.head_dim, self.kv_heads * self.head_dim);
+        if let Some(s) = &self.slots {
+            s.validate("qkv_rope", self.rows, self.k_cache.len / kv.max(1))?;
+        }
         if !d.is_multiple_of(2) || kv == 0 || !self.k_cache.len.is_multiple_of(kv) {
             return Err(bad(
                 "qkv_rope",
@@ -392,16 +435,18 @@ impl<B> QkvRope<'_, B> {
 /// Causal grouped-query attention of `rows` queries over a KV cache. `q`, `out`: [rows,
 /// heads, head_dim] f32; `k_cache`, `v_cache`: [cap, kv_heads, head_dim] (any float dtype);
 /// `pos`: [rows] u32 (device memory): query `r` sees cache rows `0..=pos[r]`, which must
-/// already hold its keys and values (positions ≥ cap are clamped to cap − 1). Query head `h`
-/// reads KV head `h / (heads / kv_heads)`. Scores `q·k · scale` and the softmax are f32.
-/// `workspace`: f32 scratch for backends that split the sequence across blocks
-/// ([`Attention::workspace_len`]); CPU ignores it.
+/// already hold its keys and values (positions ≥ cap are clamped to cap − 1); with `slots`,
+/// the rows of its own slot. Query head `h` reads KV head `h / (heads / kv_heads)`. Scores
+/// `q·k · scale` and the softmax are f32. `workspace`: f32 scratch for backends that split
+/// the sequence across blocks ([`Attention::workspace_len`]); CPU ignores it.
 pub struct Attention<'a, B> {
     pub q: View<'a, B>,
     pub k_cache: View<'a, B>,
     pub v_cache: View<'a, B>,
     pub out: View<'a, B>,
     pub pos: View<'a, B>,
+    /// Row r's cache slot (continuous batching; see [`CacheSlots`]); `None`: one sequence.
+    pub slots: Option<CacheSlots<'a, B>>,
     pub rows: usize,
     pub heads: usize,
     pub kv_heads: usize,
@@ -415,9 +460,12 @@ pub struct Attention<'a, B> {
 pub const ATTN_SPLIT: usize = 256;
 
 impl<B> Attention<'_, B> {
-    /// Rows of the cache.
+    /// Rows of one sequence's cache (of one slot, with [`Attention::slots`]).
     pub fn cap(&self) -> usize {
-        self.k_cache.len / (self.kv_heads * self.head_dim).max(1)
+        slot_rows(
+            &self.slots,
+            self.k_cache.len / (self.kv_heads * self.head_dim).max(1),
+        )
     }
 
     /// f32 elements of workspace the split-sequence GPU kernel needs for `rows` queries of
@@ -437,6 +485,9 @@ impl<B> Attention<'_, B> {
         }
         if !self.k_cache.len.is_multiple_of(kvh * d) || self.cap() == 0 {
             return Err(bad("attention", "the cache is not whole rows"));
+        }
+        if let Some(s) = &self.slots {
+            s.validate("attention", self.rows, self.k_cache.len / (kvh * d))?;
         }
         expect("attention", "q", &self.q, self.rows * h * d, F32)?;
         expect("attention", "out", &self.out, self.rows * h * d, F32)?;

@@ -24,7 +24,7 @@ use tprun_kernels::Device;
 use crate::comm::Communicator;
 use crate::decode::{load, report};
 use crate::job::{self, Backend, GenRequest, Report, ServeSpec, Work};
-use crate::model::{BatchRow, GenerateOptions, LoadOptions, Model, SamplerConfig};
+use crate::model::{BatchRow, BatchStart, GenerateOptions, LoadOptions, Model, SamplerConfig};
 use crate::run::RankCtx;
 use crate::{Phase, RankError};
 
@@ -124,30 +124,70 @@ pub fn run<D: Device>(
                 admit.push(e);
             }
         }
+        // New requests are prefilled in the step itself, next to the running sequences'
+        // tokens (no stall of the batch for a separate prefill pass), as far as the step's
+        // rows allow; a longer prompt (or any in a hybrid model) is prefilled alone first.
+        let mut starting: Vec<Seq> = Vec::new();
         for id in admit {
             let req = take_request(ctx, conn, &mut b, id)?;
-            start(ctx, conn, &mut model, &mut comm, &mut b, req, timeout)?;
+            let seq = match seat(&model, &b, &starting, req) {
+                Ok(seq) => seq,
+                Err(req) => {
+                    served(ctx, conn, &req, 0, false)?;
+                    continue;
+                }
+            };
+            let tokens = starting.iter().map(|s| s.req.prompt.len()).sum::<usize>();
+            if model.batch_room(b.running.len(), tokens + seq.req.prompt.len()) {
+                starting.push(seq);
+            } else {
+                start_alone(ctx, conn, &mut model, &mut comm, &mut b, seq, timeout)?;
+            }
         }
-        if b.running.is_empty() {
+        if b.running.is_empty() && starting.is_empty() {
             if ctx.rank == 0 {
-                // (a first token that ended its request)
+                // (first tokens that ended their requests)
                 ctx.control.record_batch(0, 0);
             }
             continue;
         }
-        ctx.enter(Phase::Decode);
+        ctx.enter(if starting.is_empty() {
+            Phase::Decode
+        } else {
+            Phase::Prefill
+        });
         let rows: Vec<BatchRow> = b.running.iter().map(Seq::row).collect();
-        let tokens = model.step_batch(&mut comm, &rows)?;
+        let starts: Vec<BatchStart> = starting
+            .iter()
+            .map(|s| BatchStart {
+                slot: s.slot,
+                prompt: &s.req.prompt,
+                params: s.params,
+            })
+            .collect();
+        let tokens = model.step_batch(&mut comm, &rows, &starts)?;
+        let stepped = rows.len() + starts.len();
+        if ctx.rank == 0 {
+            // Whoever sees a token sees the batch that made it.
+            ctx.control.record_batch(0, stepped);
+        }
         let (mut i, mut done) = (0, Vec::new());
-        for t in tokens {
+        for &t in &tokens[..rows.len()] {
             match take(ctx, &mut b.running[i], t, timeout)? {
                 None => i += 1,
                 Some(stopped) => done.push((b.running.remove(i), stopped)),
             }
         }
+        for (mut s, &t) in starting.into_iter().zip(&tokens[rows.len()..]) {
+            s.last = t;
+            match take(ctx, &mut s, t, timeout)? {
+                None => b.running.push(s),
+                Some(stopped) => done.push((s, stopped)),
+            }
+        }
         // The statistics first: whoever hears of an end sees the batch without it.
         if ctx.rank == 0 {
-            ctx.control.record_batch(rows.len(), b.running.len());
+            ctx.control.record_batch(stepped, b.running.len());
         }
         for (s, stopped) in done {
             served(ctx, conn, &s.req, s.generated, stopped)?;
@@ -334,27 +374,25 @@ fn evict(ctx: &RankCtx, conn: &Conn, b: &mut Batch, id: u64) -> Result<(), RankE
     served(ctx, conn, &req, 0, true)
 }
 
-/// Prefills `req` into a free slot and takes its first token; it joins the batch unless that
-/// token already ends it.
-fn start<D: Device>(
-    ctx: &RankCtx,
-    conn: &Conn,
-    model: &mut Model<D>,
-    comm: &mut Communicator<D>,
-    b: &mut Batch,
+/// `req`'s place in the batch: the first slot neither running nor `starting` holds, its
+/// sampler and its token budget; the request back when its budget is 0 (it is done).
+fn seat<D: Device>(
+    model: &Model<D>,
+    b: &Batch,
+    starting: &[Seq],
     req: GenRequest,
-    timeout: Duration,
-) -> Result<(), RankError> {
+) -> Result<Seq, GenRequest> {
     let budget = GenerateOptions {
         max_new_tokens: req.max_new_tokens,
         stop: Vec::new(),
     }
     .budget(model.max_seq(), req.prompt.len());
     if budget == 0 {
-        return served(ctx, conn, &req, 0, false);
+        return Err(req);
     }
+    let taken = |s: usize| b.running.iter().chain(starting).any(|q| q.slot == s);
     let slot = (0..model.slots())
-        .find(|&s| b.running.iter().all(|q| q.slot != s))
+        .find(|&s| !taken(s))
         .expect("rank 0 admits no more requests than there are slots");
     let params = SamplerConfig {
         temperature: req.temperature,
@@ -363,16 +401,30 @@ fn start<D: Device>(
         seed: req.seed,
     }
     .params();
-    ctx.enter(Phase::Prefill);
-    let first = model.begin_in(comm, slot, &req.prompt, &params)?;
-    let mut s = Seq {
+    Ok(Seq {
         req,
         slot,
         params,
         budget,
         generated: 0,
-        last: first,
-    };
+        last: 0,
+    })
+}
+
+/// Prefills `s` alone into its slot and takes its first token; it joins the batch unless that
+/// token already ends it.
+fn start_alone<D: Device>(
+    ctx: &RankCtx,
+    conn: &Conn,
+    model: &mut Model<D>,
+    comm: &mut Communicator<D>,
+    b: &mut Batch,
+    mut s: Seq,
+    timeout: Duration,
+) -> Result<(), RankError> {
+    ctx.enter(Phase::Prefill);
+    let first = model.begin_in(comm, s.slot, &s.req.prompt, &s.params)?;
+    s.last = first;
     if ctx.rank == 0 {
         // Whoever sees its first token sees it in the batch.
         ctx.control.record_batch(0, b.running.len() + 1);

@@ -76,6 +76,7 @@ struct AttnParams {
     out: u64,
     pos: u64,
     ws: u64,
+    slots: u64,
     rows: u32,
     heads: u32,
     kv_heads: u32,
@@ -86,8 +87,10 @@ struct AttnParams {
     chunks: u32,
     vec: u32,
     scale: f32,
+    nslots: u32,
+    pad: u32,
 }
-const _: () = assert!(std::mem::size_of::<AttnParams>() == 88);
+const _: () = assert!(std::mem::size_of::<AttnParams>() == 104);
 
 fn dtype_index(d: DType) -> usize {
     match d {
@@ -167,6 +170,11 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
         out: addr(&a.out, "out")?,
         pos: addr(&a.pos, "pos")?,
         ws: 0,
+        slots: a
+            .slots
+            .map(|s| addr(&s.ids, "slots"))
+            .transpose()?
+            .unwrap_or(0),
         rows: a.rows as u32,
         heads: a.heads as u32,
         kv_heads: a.kv_heads as u32,
@@ -180,6 +188,8 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
             k.is_multiple_of(16) && v.is_multiple_of(16) && (d * esize).is_multiple_of(16),
         ),
         scale: a.scale,
+        nslots: a.slots.map_or(1, |s| s.count).min(u32::MAX as usize) as u32,
+        pad: 0,
     };
     let x = (a.kv_heads * chunks) as u32;
     match &a.workspace {
@@ -228,6 +238,10 @@ struct AttnCase {
     d: usize,
     cap: usize,
     pos: Vec<u32>,
+    /// Each row's cache slot (empty: one sequence) and the slots in the cache (each `cap`
+    /// rows).
+    slots: Vec<u32>,
+    nslots: usize,
     workspace: bool,
     /// Elements the caches' views start after the buffer's start (1: misaligned, the scalar
     /// path).
@@ -240,20 +254,21 @@ impl AttnCase {
         self.pos.len()
     }
     fn cache_len(&self) -> usize {
-        self.cap * self.kv_heads * self.d
+        self.nslots * self.cap * self.kv_heads * self.d
     }
 }
 
 impl TwinCase for AttnCase {
     fn name(&self) -> String {
         format!(
-            "attention {} heads {}/{} d {} cap {} pos {:?}{}{}",
+            "attention {} heads {}/{} d {} cap {} pos {:?} slots {:?}{}{}",
             self.dtype,
             self.heads,
             self.kv_heads,
             self.d,
             self.cap,
             self.pos,
+            self.slots,
             if self.workspace { " split" } else { " single" },
             if self.shift > 0 { " misaligned" } else { "" }
         )
@@ -280,6 +295,15 @@ impl TwinCase for AttnCase {
             ),
             Buf::output(DType::F32, n),
             Buf::input(DType::U32, encode_u32(&self.pos)),
+            // (a slot buffer in every case, so that the workspace is always buffer 6)
+            Buf::input(
+                DType::U32,
+                encode_u32(if self.slots.is_empty() {
+                    &[0]
+                } else {
+                    &self.slots
+                }),
+            ),
         ];
         if self.workspace {
             let len =
@@ -299,12 +323,16 @@ impl TwinCase for AttnCase {
             v_cache: v[2].slice(self.shift, self.cache_len()),
             out: v[3],
             pos: v[4],
+            slots: (!self.slots.is_empty()).then_some(ops::CacheSlots {
+                ids: v[5],
+                count: self.nslots,
+            }),
             rows: self.rows(),
             heads: self.heads,
             kv_heads: self.kv_heads,
             head_dim: self.d,
             scale: 1.0 / (self.d as f32).sqrt(),
-            workspace: v.get(5).copied(),
+            workspace: v.get(6).copied(),
         })
     }
 
@@ -363,6 +391,8 @@ fn cases(seed: u64) -> Vec<AttnCase> {
                             d,
                             cap,
                             pos: pos.clone(),
+                            slots: vec![],
+                            nslots: 1,
                             workspace,
                             shift: 0,
                             seed: next_seed(),
@@ -391,6 +421,8 @@ fn cases(seed: u64) -> Vec<AttnCase> {
                     d,
                     cap,
                     pos: positions(cap, pattern),
+                    slots: vec![],
+                    nslots: 1,
                     workspace,
                     shift,
                     seed: next_seed(),
@@ -408,10 +440,34 @@ fn cases(seed: u64) -> Vec<AttnCase> {
             d: 128,
             cap: 16384,
             pos: vec![16383, 5000, 300],
+            slots: vec![],
+            nslots: 1,
             workspace: true,
             shift: 0,
             seed: next_seed(),
         });
+        // A batch of sequences in cache slots (an id past the last slot is clamped to it),
+        // and a prompt of three positions in one slot among them.
+        for workspace in [true, false] {
+            for (pos, slots) in [
+                (vec![5u32, 299, 0, 150], vec![2u32, 0, 1, 7]),
+                (vec![7, 8, 9, 40], vec![1, 1, 1, 0]),
+            ] {
+                out.push(AttnCase {
+                    dtype,
+                    heads: 8,
+                    kv_heads: 2,
+                    d: 64,
+                    cap: 300,
+                    pos,
+                    slots,
+                    nslots: 3,
+                    workspace,
+                    shift: 0,
+                    seed: next_seed(),
+                });
+            }
+        }
     }
     out
 }
@@ -577,6 +633,7 @@ pub(super) mod tests {
                     v_cache: View::new(&v, 0, n, dtype),
                     out: View::new(&o, 0, qn, DType::F32),
                     pos: View::new(&pb, 0, rows, DType::U32),
+                    slots: None,
                     rows,
                     heads,
                     kv_heads: kvh,

@@ -148,9 +148,10 @@ struct QkvParams {
     qn_dtype: u32,
     kn_dtype: u32,
     rhalf: u32,
-    pad: u32,
+    nslots: u32,
+    slots: u64,
 }
-const _: () = assert!(std::mem::size_of::<QkvParams>() == 112);
+const _: () = assert!(std::mem::size_of::<QkvParams>() == 120);
 
 /// decode.cu `struct BinParams`.
 #[repr(C)]
@@ -431,7 +432,8 @@ fn qkv_rope(l: &Launcher<'_>, a: &ops::QkvRope<'_, CudaBuf>) -> Result<()> {
         qn_dtype,
         kn_dtype,
         rhalf: to_u32("qkv_rope rotary_dim", a.rotary_dim / 2)?,
-        pad: 0,
+        nslots: to_u32("qkv_rope slots", a.slots.map_or(1, |s| s.count))?,
+        slots: a.slots.map(|s| addr(&s.ids)).transpose()?.unwrap_or(0),
     };
     let heads = to_u32("qkv_rope heads", a.heads + 2 * a.kv_heads)?;
     if a.rows == 0 || heads == 0 || a.head_dim == 0 {
@@ -844,6 +846,10 @@ struct QkvCase {
     rotary_dim: usize,
     cap: usize,
     pos: Vec<u32>,
+    /// Each row's cache slot (empty: one sequence) and the slots in the cache (each `cap`
+    /// rows).
+    slots: Vec<u32>,
+    nslots: usize,
     /// The q and k norm weights' dtypes (Qwen3), or none.
     norm: Option<(DType, DType)>,
     qkv: Vec<u8>,
@@ -865,8 +871,8 @@ impl TwinCase for QkvCase {
             false => String::new(),
         };
         format!(
-            "qkv_rope kv {} heads {}/{} head_dim {}{partial} cap {} pos {:?}{norm}",
-            self.kv, self.heads, self.kv_heads, self.head_dim, self.cap, self.pos
+            "qkv_rope kv {} heads {}/{} head_dim {}{partial} cap {} pos {:?} slots {:?}{norm}",
+            self.kv, self.heads, self.kv_heads, self.head_dim, self.cap, self.pos, self.slots
         )
     }
     fn shape(&self) -> (DType, usize) {
@@ -884,6 +890,15 @@ impl TwinCase for QkvCase {
             Buf::partial(self.kv, self.v_cache.clone()),
             Buf::input(DType::U32, u32s(&self.pos)),
             Buf::input(DType::F32, self.inv_freq.clone()),
+            // (a slot buffer in every case, so that the norms are always buffers 7 and 8)
+            Buf::input(
+                DType::U32,
+                u32s(if self.slots.is_empty() {
+                    &[0]
+                } else {
+                    &self.slots
+                }),
+            ),
         ];
         if let Some((qd, kd)) = self.norm {
             b.push(Buf::input(qd, self.q_norm.clone()));
@@ -898,9 +913,13 @@ impl TwinCase for QkvCase {
             k_cache: v[2],
             v_cache: v[3],
             pos: v[4],
+            slots: (!self.slots.is_empty()).then_some(ops::CacheSlots {
+                ids: v[6],
+                count: self.nslots,
+            }),
             inv_freq: v[5],
-            q_norm: v.get(6).copied(),
-            k_norm: v.get(7).copied(),
+            q_norm: v.get(7).copied(),
+            k_norm: v.get(8).copied(),
             eps: 1e-6,
             rows: self.pos.len(),
             heads: self.heads,
@@ -925,7 +944,9 @@ fn qkv_cases(rng: &mut Rng) -> Vec<QkvCase> {
     // head_dim 256 (Qwen3.5) with one KV head, a single pair, a head longer than one block
     // pass (320 pairs); and partial RoPE (rotary_dim < head_dim: Qwen3.5's 64 of 256, a
     // tiny one, one whose unrotated part is longer than a block pass).
-    let shapes: [(usize, usize, usize, usize, usize, Vec<u32>); 9] = [
+    // Then a batch in cache slots: three slots of 10 rows, an id past the last slot (clamped),
+    // a position past the slot (not stored).
+    let shapes: [(usize, usize, usize, usize, usize, Vec<u32>); 10] = [
         (4, 2, 8, 8, 10, vec![5, 6, 12]),
         (32, 8, 128, 128, 16, vec![15]),
         (8, 1, 256, 256, 16, vec![16]),
@@ -935,6 +956,7 @@ fn qkv_cases(rng: &mut Rng) -> Vec<QkvCase> {
         (6, 1, 256, 64, 16, vec![16, 3]),
         (8, 4, 32, 8, 12, vec![0, 5, 11]),
         (1, 1, 640, 2, 4, vec![2]),
+        (4, 2, 8, 8, 10, vec![5, 9, 12, 0, 3]),
     ];
     for kv in DType::ALL {
         for (heads, kv_heads, head_dim, rotary_dim, cap, pos) in shapes.iter().cloned() {
@@ -944,7 +966,11 @@ fn qkv_cases(rng: &mut Rng) -> Vec<QkvCase> {
                 Some((DType::F32, DType::F16)),
             ] {
                 let width = (heads + 2 * kv_heads) * head_dim;
-                let cache = cap * kv_heads * head_dim;
+                let (slots, nslots) = match pos.len() {
+                    5 => (vec![2u32, 0, 1, 9, 2], 3),
+                    _ => (vec![], 1),
+                };
+                let cache = nslots * cap * kv_heads * head_dim;
                 let (qd, kd) = norm.unwrap_or((DType::F32, DType::F32));
                 out.push(QkvCase {
                     kv,
@@ -954,6 +980,8 @@ fn qkv_cases(rng: &mut Rng) -> Vec<QkvCase> {
                     rotary_dim,
                     cap,
                     pos: pos.clone(),
+                    slots,
+                    nslots,
                     norm,
                     qkv: f32s(rng, pos.len() * width, -6..=2),
                     k_cache: rng.bytes(kv, cache, -3..=3),

@@ -32,6 +32,15 @@ pub(crate) const NAMES: &[&str] = &[
     "gemv_norm_f32",
     "gemv_norm_f16",
     "gemv_norm_bf16",
+    "gemm4_f32",
+    "gemm4_f16",
+    "gemm4_bf16",
+    "gemm4_silu_f32",
+    "gemm4_silu_f16",
+    "gemm4_silu_bf16",
+    "gemm4_norm_f32",
+    "gemm4_norm_f16",
+    "gemm4_norm_bf16",
     "gemm_f32",
     "gemm_f16",
     "gemm_bf16",
@@ -69,13 +78,17 @@ const ROWS_SILU: usize = 4;
 const ROWS_NORM: usize = 4;
 /// Tokens per tile of `gemm_*` (gemv.cu TP_GEMV_TOKENS).
 const TOKENS: usize = 8;
+/// Tokens per tile of `gemm4_*`, for 2 to 4 tokens (gemv.cu TP_GEMV_TOKENS_SMALL).
+const TOKENS_SMALL: usize = 4;
+/// Output rows per wave of the tiled kernels (gemv.cu TP_GEMM_ROWS).
+const ROWS_TILED: usize = 4;
 /// Lanes of a wave on every NVIDIA GPU (portable.h TP_WAVE).
 const WAVE: u32 = 32;
 /// Waves per block when the shape gives every SM at least two blocks of them. Measured on the
 /// H200: 2, 4 and 8 waves per block within 2 % of each other on the decode shapes; fewer
 /// waves per block only matter for small n, where they spread the waves over more SMs.
 const MAX_WAVES: usize = 4;
-/// CUDA's limit on gridDim.y; the kernel loops over the tiles beyond it.
+/// CUDA's limit on gridDim.y; the kernel loops over the row groups beyond it.
 const MAX_GRID_Y: usize = 65535;
 
 /// gemv.cu `struct GemvParams`, passed by value.
@@ -98,8 +111,8 @@ struct GemvParams {
 }
 const _: () = assert!(std::mem::size_of::<GemvParams>() == 80);
 
-/// Index into [`NAMES`]: 9 · (m > 1) + 3 · act (none, silu, norm) + weight dtype (f32, f16,
-/// bf16).
+/// Index into [`NAMES`]: 9 · family (m = 1, m ≤ [`TOKENS_SMALL`], more) + 3 · act (none,
+/// silu, norm) + weight dtype (f32, f16, bf16).
 fn kernel_index(m: usize, act: Act, dtype: DType) -> Result<usize> {
     let d = match dtype {
         DType::F32 => 0,
@@ -107,7 +120,12 @@ fn kernel_index(m: usize, act: Act, dtype: DType) -> Result<usize> {
         DType::BF16 => 2,
         DType::U32 => return Err(KernelError::Invalid("matmul: u32 weights".into())),
     };
-    Ok(9 * usize::from(m > 1) + 3 * act as usize + d)
+    let family = match m {
+        0 | 1 => 0,
+        2..=TOKENS_SMALL => 1,
+        _ => 2,
+    };
+    Ok(9 * family + 3 * act as usize + d)
 }
 
 /// What one launch needs: the kernel, grid and block.
@@ -119,28 +137,32 @@ struct Plan {
 }
 
 /// One wave per row group of R outputs; `MAX_WAVES` waves per block, halved while that would
-/// leave fewer than two blocks per SM; one grid row per tile of [`TOKENS`] tokens when m > 1.
+/// leave fewer than two blocks per SM. When m > 1, the token tiles go along grid x and the
+/// row groups' blocks along y (gemv.cu: a row group's tiles side by side share its weights
+/// through L2).
 fn plan(m: usize, n: usize, act: Act, dtype: DType, sms: u32) -> Result<Plan> {
     let index = kernel_index(m, act, dtype)?;
     let rows = match (m, act) {
         (1, Act::Silu) => ROWS_SILU,
         (1, Act::Norm) => ROWS_NORM,
-        _ => ROWS,
+        (1, Act::None) => ROWS,
+        _ => ROWS_TILED,
     };
     let groups = n.div_ceil(rows);
     let mut waves = MAX_WAVES;
     while waves > 1 && groups.div_ceil(waves) < 2 * sms as usize {
         waves /= 2;
     }
-    let tiles = if m > 1 { m.div_ceil(TOKENS) } else { 1 };
     // groups <= n < 2^31 (checked by the caller), so both fit the grid's u32.
+    let blocks = groups.div_ceil(waves);
+    let grid = match m {
+        0 | 1 => (blocks as u32, 1, 1),
+        2..=TOKENS_SMALL => (1, blocks.min(MAX_GRID_Y) as u32, 1),
+        _ => (m.div_ceil(TOKENS) as u32, blocks.min(MAX_GRID_Y) as u32, 1),
+    };
     Ok(Plan {
         index,
-        grid: (
-            groups.div_ceil(waves) as u32,
-            tiles.min(MAX_GRID_Y) as u32,
-            1,
-        ),
+        grid,
         block: waves as u32 * WAVE,
     })
 }
@@ -530,7 +552,7 @@ mod tests {
 
     #[test]
     fn names_follow_the_index() {
-        for (m, mp) in [(1usize, "gemv"), (2, "gemm")] {
+        for (m, mp) in [(1usize, "gemv"), (2, "gemm4"), (4, "gemm4"), (5, "gemm")] {
             for (act, pp) in [(Act::None, ""), (Act::Silu, "_silu"), (Act::Norm, "_norm")] {
                 for d in DType::ALL {
                     let i = kernel_index(m, act, d).unwrap();
@@ -551,6 +573,8 @@ mod tests {
         assert_eq!(def("TP_GEMV_ROWS_SILU"), ROWS_SILU.to_string());
         assert_eq!(def("TP_GEMV_ROWS_NORM"), ROWS_NORM.to_string());
         assert_eq!(def("TP_GEMV_TOKENS"), TOKENS.to_string());
+        assert_eq!(def("TP_GEMV_TOKENS_SMALL"), TOKENS_SMALL.to_string());
+        assert_eq!(def("TP_GEMM_ROWS"), ROWS_TILED.to_string());
         let order: Vec<usize> = ["(f32, F32)", "(f16, GemvF16)", "(bf16, BF16)"]
             .iter()
             .map(|d| {
@@ -595,14 +619,24 @@ mod tests {
                 block: 32
             }
         );
-        // Prefill: 2-row groups whatever the prologue, tiles of 8 tokens.
+        // Prefill: 4-row groups whatever the prologue, tiles of 8 tokens along x.
         let p = plan(9, 512, Act::Silu, DType::F16, sms).unwrap();
         assert_eq!(
             p,
             Plan {
-                index: 13,
-                grid: (256, 2, 1),
+                index: 22,
+                grid: (2, 128, 1),
                 block: 32
+            }
+        );
+        // A batch of 3: one tile of 4.
+        let p = plan(3, 4096, Act::None, DType::BF16, sms).unwrap();
+        assert_eq!(
+            p,
+            Plan {
+                index: 11,
+                grid: (1, 512, 1),
+                block: 64
             }
         );
         // qkv with the add + norm folded in: 1536 groups of 4, 384 blocks of 4 waves.
@@ -615,8 +649,8 @@ mod tests {
                 block: 128
             }
         );
-        let p = plan(1 << 20, 4096, Act::None, DType::BF16, sms).unwrap();
-        assert_eq!(p.grid, (512, MAX_GRID_Y as u32, 1));
+        let p = plan(1 << 20, 1 << 20, Act::None, DType::BF16, sms).unwrap();
+        assert_eq!(p.grid, (1 << 17, MAX_GRID_Y as u32, 1));
     }
 
     #[test]

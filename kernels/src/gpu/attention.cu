@@ -57,6 +57,7 @@ struct AttnParams {
     u64 out;       // [rows, heads, head_dim] f32
     u64 pos;       // [rows] u32
     u64 ws;        // f32 workspace (split kernels and attn_merge only)
+    u64 slots;     // [rows] u32 cache slot of each row (ops::CacheSlots), or 0: one sequence
     u32 rows;
     u32 heads;
     u32 kv_heads;
@@ -67,6 +68,8 @@ struct AttnParams {
     u32 chunks;    // ceil(group / TP_ATTN_GMAX): blocks per KV head along grid x
     u32 vec;       // 1 when K and V rows allow 16-byte loads (addresses and head_dim * size)
     float scale;   // score = (q . k) * scale
+    u32 nslots;    // slots in the cache (with slots; each of cap rows)
+    u32 pad;
 };
 
 TP_DEV float attn_neg_inf() { return tp_f32_from_bits(0xff800000u); }
@@ -83,6 +86,14 @@ TP_DEV float attn_wave_max(float v) {
 TP_DEV u32 attn_pos(const AttnParams& p, u32 row) {
     const u32 x = ((const u32*)p.pos)[row];
     return x < p.cap ? x : p.cap - 1;
+}
+
+// Bytes from the cache's start to row `row`'s slot (ops::CacheSlots; ids clamped to the
+// last slot), 0 without slots.
+TP_DEV u64 attn_slot_off(const AttnParams& p, u32 row, u32 size) {
+    if (!p.slots) return 0;
+    const u32 s = ((const u32*)p.slots)[row];
+    return (u64)(s < p.nslots ? s : p.nslots - 1) * p.cap * p.kv_heads * p.head_dim * size;
 }
 
 // Positions per part for a query at `pos` (split kernel and merge agree through this): the
@@ -462,7 +473,7 @@ TP_DEV void attn_split_kernel(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& 
     const u32 e = pos + 1 - b < len ? pos + 1 : b + len;
     attn_load_q<G>(p, sm, row, hd.h0, hd.gcount);
     __syncthreads();
-    const u64 hoff = (u64)hd.kvh * d * D::SIZE;
+    const u64 hoff = (u64)hd.kvh * d * D::SIZE + attn_slot_off(p, row, D::SIZE);
     const bool in_run = attn_range<D, G>(p, sm, run, (const u8*)p.k + hoff, (const u8*)p.v + hoff, b, e);
     const float* m = in_run ? run.m : sm.m;
     const float* l = in_run ? run.l : sm.l;
@@ -520,7 +531,7 @@ TP_DEV void attn_single_kernel(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>&
     const u32 d = p.head_dim;
     attn_load_q<G>(p, sm, row, hd.h0, hd.gcount);
     __syncthreads();
-    const u64 hoff = (u64)hd.kvh * d * D::SIZE;
+    const u64 hoff = (u64)hd.kvh * d * D::SIZE + attn_slot_off(p, row, D::SIZE);
     const bool in_run = attn_range<D, G>(p, sm, run, (const u8*)p.k + hoff, (const u8*)p.v + hoff, 0, pos + 1);
     const float* l = in_run ? run.l : sm.l;
     float* out = (float*)p.out;

@@ -327,7 +327,7 @@ extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_PAIR_THREADS, 1) rope(RopeParams 
 
 // ---- The q|k|v epilogue -------------------------------------------------------------------
 
-// Arguments of qkv_rope_*. 112 bytes.
+// Arguments of qkv_rope_*. 120 bytes.
 struct QkvParams {
     u64 qkv;       // [rows, (heads + 2·kv_heads)·d] f32: q heads, k heads, v heads
     u64 q;         // [rows, heads·d] f32
@@ -337,7 +337,7 @@ struct QkvParams {
     u64 inv_freq;  // [d/2] f32
     u64 q_norm;    // [d] (dtype qn_dtype) when norm, else 0
     u64 k_norm;    // [d] (dtype kn_dtype) when norm, else 0
-    u64 cap;       // rows of each cache
+    u64 cap;       // rows of each cache (of each slot, with slots)
     u32 rows;
     u32 heads;
     u32 kv_heads;
@@ -347,7 +347,8 @@ struct QkvParams {
     u32 qn_dtype;  // 0 f32, 1 f16, 2 bf16
     u32 kn_dtype;
     u32 rhalf;     // rotary_dim / 2 (= half but for partial RoPE: Qwen3.5)
-    u32 pad;
+    u32 nslots;    // slots in the cache (with slots)
+    u64 slots;     // [rows] u32 cache slot of each row (ops::CacheSlots), or 0: one sequence
 };
 
 // Everything between the q|k|v GEMV and attention, for all heads in one launch. Block (h, r)
@@ -374,11 +375,17 @@ TP_DEV void qkv_rope(const QkvParams& p) {
         // reaches tp_block_sum's barriers with all its threads or not at all.
         const u32 pos = ((const u32*)p.pos)[r];
         const bool stored = (u64)pos < p.cap;
+        // The row's place in the cache: its position within its slot (ids clamped).
+        u64 at = pos;
+        if (p.slots) {
+            const u32 s = ((const u32*)p.slots)[r];
+            at += (u64)(s < p.nslots ? s : p.nslots - 1) * p.cap;
+        }
         const float* src = (const float*)p.qkv + r * width + h * d;
         if (h >= p.heads + p.kv_heads) {
             // A v head: only rounded and stored.
             if (stored) {
-                u8* dst = (u8*)p.v_cache + ((u64)pos * kv_width + (h - p.heads - p.kv_heads) * d) * KV::SIZE;
+                u8* dst = (u8*)p.v_cache + (at * kv_width + (h - p.heads - p.kv_heads) * d) * KV::SIZE;
                 for (u64 e = threadIdx.x; e < d; e += blockDim.x) KV::put(dst, e, src[e]);
             }
             continue;
@@ -400,7 +407,7 @@ TP_DEV void qkv_rope(const QkvParams& p) {
         const u32 wdt = is_q ? p.qn_dtype : p.kn_dtype;
         const float fpos = (float)pos;
         float* qdst = (float*)p.q + (r * p.heads + h) * d;
-        u8* kdst = (u8*)p.k_cache + ((u64)pos * kv_width + (is_q ? 0 : h - p.heads) * d) * KV::SIZE;
+        u8* kdst = (u8*)p.k_cache + (at * kv_width + (is_q ? 0 : h - p.heads) * d) * KV::SIZE;
         // The rotated pairs (i, i + rhalf) of the first 2·rhalf dims, then the dims past them
         // (partial RoPE: normed, not rotated).
         const u32 rh = p.rhalf;

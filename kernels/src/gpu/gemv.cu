@@ -24,16 +24,18 @@
 // matching f32 elements of x (read through L1/L2 with plain loads: x is at most 2 · 14336 f32
 // = 112 KiB and every wave reads all of it) with fmaf into one accumulator per (row, token);
 // the lanes' partial sums are then added with a butterfly over the wave, and lane r·MT + t
-// writes y[t, row r] (+ bias). Grid: blockIdx.x · (blockDim.x / TP_WAVE) + wave indexes row
-// groups (grid-stride loop over the rest, if any), blockIdx.y indexes token tiles of MT.
+// writes y[t, row r] (+ bias). Grid (m = 1): blockIdx.x · (blockDim.x / TP_WAVE) + wave
+// indexes row groups (grid-stride loop over the rest, if any); m > 1: blockIdx.x indexes
+// token tiles of MT and blockIdx.y the row groups' blocks (see gemv()).
 // The launcher (kernels/src/cuda/ops_gemv.rs) gives every row group its own wave, with 4
 // waves per block, or fewer while that leaves fewer than 2 blocks per SM.
 //
 // m = 1 (decode): MT = 1. Reads n·k weight elements once (the whole cost: [4096, 4096] bf16
-// is 32 MiB), x (k or 2k f32) once per wave from L1/L2, writes n f32. m > 1 (prefill): tiles
-// of MT = TP_GEMV_TOKENS tokens (grid.y); each weight pack, loaded once per tile, is used for
-// all MT tokens of the tile, so weights are read ceil(m / MT) times (mostly from L2 for the
-// later tiles). Correctness first there: the last tile's missing tokens repeat the tile's
+// is 32 MiB), x (k or 2k f32) once per wave from L1/L2, writes n f32. m > 1 (a decode batch,
+// prefill): tiles of MT tokens (TP_GEMV_TOKENS_SMALL for m <= 4, else TP_GEMV_TOKENS); each
+// weight pack, loaded once per tile, is used for all MT tokens of the tile, so weights are
+// read ceil(m / MT) times, the tiles of a row group side by side so that all but the first
+// find them in L2. Correctness first there: the last tile's missing tokens repeat the tile's
 // last token (computed, never written) instead of branching.
 //
 // Prologue SiluMul: silu(g) · u = g / (1 + e^−g) · u per element, as the CPU twin
@@ -84,7 +86,10 @@
 // side mirrors R and MT (kernels/src/cuda/ops_gemv.rs; a test compares them).
 #define TP_GEMV_ROWS 2           // R without prologue: output rows per wave
 #define TP_GEMV_ROWS_SILU 4      // R with the SiluMul prologue (amortises the exp)
-#define TP_GEMV_TOKENS 8         // MT: tokens per tile when m > 1
+#define TP_GEMV_TOKENS 8         // MT: tokens per tile when m > 4
+#define TP_GEMV_TOKENS_SMALL 4   // MT when 2 <= m <= 4 (a small decode batch)
+#define TP_GEMM_ROWS 4           // R when m > 1: each x element loaded serves 4 rows
+#define TP_GEMM_UNROLL 8         // U · R when m > 1
 #define TP_GEMV_UNROLL 8         // U · R: 16-byte weight loads in flight per lane (m = 1)
 #define TP_GEMV_UNROLL_SILU 16   // the same with the prologue
 // With the AddNorm prologue (H200, Llama-3-8B TP=1, device time per call under --profile):
@@ -306,6 +311,12 @@ TP_DEV void gemv(const GemvParams& p) {
     static_assert(R * MT <= TP_WAVE, "one writing lane per (row, token)");
     const u32 lane = threadIdx.x % TP_WAVE;
     const u32 waves = blockDim.x / TP_WAVE;
+    // m = 1: row groups along grid x. m > 1: token tiles along grid x and row groups along y,
+    // so that the tiles of one row group are launched side by side: its weights come from HBM
+    // once and from L2 for the other tiles (tiles along y re-read every weight from HBM once
+    // per tile: a batch of 16 cost two full weight passes).
+    const u32 tile0 = MT > 1 ? blockIdx.x : blockIdx.y, tiles_step = MT > 1 ? gridDim.x : gridDim.y;
+    const u32 group0 = MT > 1 ? blockIdx.y : blockIdx.x, groups_step = MT > 1 ? gridDim.y : gridDim.x;
     const u32 groups = (p.n + R - 1) / R;
     const u32 tiles = (p.m + MT - 1) / MT;
     const u64 xk = ACT == TP_ACT_SILU ? 2ull * p.k : (u64)p.k;
@@ -315,7 +326,7 @@ TP_DEV void gemv(const GemvParams& p) {
     const float* bias = (const float*)p.bias;
     // A thread with no rows to compute exits without waiting: it reads and writes nothing.
     bool waited = false;
-    for (u32 tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
+    for (u32 tile = tile0; tile < tiles; tile += tiles_step) {
         const u32 t0 = tile * MT;
         // Tokens past m repeat the last one: computed like the others, never written.
         GemvRows<MT> in;
@@ -327,8 +338,8 @@ TP_DEV void gemv(const GemvParams& p) {
             in.d[t] = (const float*)p.delta + row * p.k;
         }
         // g is the same in every lane of a wave, so whole waves take the loops and shuffles.
-        for (u32 g = blockIdx.x * waves + threadIdx.x / TP_WAVE; g < groups;
-             g += gridDim.x * waves) {
+        for (u32 g = group0 * waves + threadIdx.x / TP_WAVE; g < groups;
+             g += groups_step * waves) {
             // Rows past n repeat the last one, likewise.
             const u8* wr[R];
 #pragma unroll
@@ -376,8 +387,11 @@ TP_DEV void gemv(const GemvParams& p) {
     }
 }
 
-// Kernel names: gemv_* (m = 1) and gemm_* (m > 1), plain and _silu, per weight dtype; the
-// order of kernels/src/cuda/ops_gemv.rs NAMES.
+// Kernel names: gemv_* (m = 1), gemm4_* (2 <= m <= 4) and gemm_* (m > 4), plain, _silu and
+// _norm, per weight dtype; the order of kernels/src/cuda/ops_gemv.rs NAMES. The tiled kernels
+// take R = 4 rows per wave (each x element loaded serves 4 rows: with R = 2 and one load in
+// flight per row, a tile of 8 cost 4 single-token passes, H200) and U · R = 8 weight loads in
+// flight per lane.
 #define TP_GEMV_KERNEL(name, W, R, MT, U, ACT)                                          \
     extern "C" __global__ void TP_LAUNCH_BOUNDS(256, 1) name(const GemvParams p) {      \
         gemv<W, R, MT, U, ACT>(p); /* waits for the kernel before once its loads are out */ \
@@ -388,9 +402,18 @@ TP_DEV void gemv(const GemvParams& p) {
                    TP_GEMV_UNROLL_SILU / TP_GEMV_ROWS_SILU, TP_ACT_SILU)                     \
     TP_GEMV_KERNEL(gemv_norm_##d, W, TP_GEMV_ROWS_NORM, 1,                                   \
                    TP_GEMV_UNROLL / TP_GEMV_ROWS_NORM, TP_ACT_NORM)                          \
-    TP_GEMV_KERNEL(gemm_##d, W, TP_GEMV_ROWS, TP_GEMV_TOKENS, 1, TP_ACT_NONE)                \
-    TP_GEMV_KERNEL(gemm_silu_##d, W, TP_GEMV_ROWS, TP_GEMV_TOKENS, 1, TP_ACT_SILU)           \
-    TP_GEMV_KERNEL(gemm_norm_##d, W, TP_GEMV_ROWS, TP_GEMV_TOKENS, 1, TP_ACT_NORM)
+    TP_GEMV_KERNEL(gemm4_##d, W, TP_GEMM_ROWS, TP_GEMV_TOKENS_SMALL,                         \
+                   TP_GEMM_UNROLL / TP_GEMM_ROWS, TP_ACT_NONE)                               \
+    TP_GEMV_KERNEL(gemm4_silu_##d, W, TP_GEMM_ROWS, TP_GEMV_TOKENS_SMALL,                    \
+                   TP_GEMM_UNROLL / TP_GEMM_ROWS, TP_ACT_SILU)                               \
+    TP_GEMV_KERNEL(gemm4_norm_##d, W, TP_GEMM_ROWS, TP_GEMV_TOKENS_SMALL,                    \
+                   TP_GEMM_UNROLL / TP_GEMM_ROWS, TP_ACT_NORM)                               \
+    TP_GEMV_KERNEL(gemm_##d, W, TP_GEMM_ROWS, TP_GEMV_TOKENS, TP_GEMM_UNROLL / TP_GEMM_ROWS,  \
+                   TP_ACT_NONE)                                                              \
+    TP_GEMV_KERNEL(gemm_silu_##d, W, TP_GEMM_ROWS, TP_GEMV_TOKENS,                           \
+                   TP_GEMM_UNROLL / TP_GEMM_ROWS, TP_ACT_SILU)                               \
+    TP_GEMV_KERNEL(gemm_norm_##d, W, TP_GEMM_ROWS, TP_GEMV_TOKENS,                           \
+                   TP_GEMM_UNROLL / TP_GEMM_ROWS, TP_ACT_NORM)
 
 TP_GEMV_DTYPE(f32, F32)
 TP_GEMV_DTYPE(f16, GemvF16)

@@ -159,7 +159,7 @@ impl Sizes {
             chunk * 2 * ni,
             slots * plan.vocab.len().max(1),
             slots * plan.world * 2 * TOPK_MAX,
-            ops::Attention::<()>::workspace_len(1, nqh, d, max_seq),
+            ops::Attention::<()>::workspace_len(slots, nqh, d, max_seq),
             cfg.rotary_dim() / 2,
             cfg.vocab,
             chunk * h,
@@ -177,7 +177,7 @@ impl Sizes {
 
     /// u32 words of the step state ([`Step`]).
     fn step_words(&self) -> usize {
-        2 + 2 * self.chunk + 2 * self.slots
+        2 + 3 * self.chunk + 2 * self.slots
     }
 
     /// u32 words of the token histories (one per slot).
@@ -266,9 +266,10 @@ struct Scratch<B> {
 }
 
 /// The step state, u32 in device memory: `[token, position, ids[C], positions[C],
-/// pairs[S][2]]`. A single-token step reads its id and position from the first two words and
-/// the sampler overwrites them with the next ones; a prefill chunk or a batched step reads the
-/// two arrays, and a batched step's sampler takes row r's (token, position) from `pairs[r]`.
+/// slots[C], pairs[S][2]]`. A single-token step reads its id and position from the first two
+/// words and the sampler overwrites them with the next ones; a prefill chunk reads the ids and
+/// positions, a batched step also each row's cache slot, and its sampler takes row r's
+/// (token, position) from `pairs[r]`.
 struct Step<B> {
     buf: B,
     chunk: usize,
@@ -290,8 +291,11 @@ impl<B> Step<B> {
     fn positions(&self, m: usize) -> View<'_, B> {
         View::new(&self.buf, 8 + 4 * self.chunk, m, DType::U32)
     }
+    fn slot_ids(&self, m: usize) -> View<'_, B> {
+        View::new(&self.buf, 8 + 8 * self.chunk, m, DType::U32)
+    }
     fn pair(&self, r: usize) -> View<'_, B> {
-        View::new(&self.buf, 8 + 8 * self.chunk + 8 * r, 2, DType::U32)
+        View::new(&self.buf, 8 + 12 * self.chunk + 8 * r, 2, DType::U32)
     }
 }
 
@@ -301,16 +305,17 @@ struct Rows<'a, B> {
     m: usize,
     ids: View<'a, B>,
     pos: View<'a, B>,
-    slots: Slots<'a>,
+    slots: Slots<'a, B>,
 }
 
 /// Whose KV cache the rows of a forward use.
 #[derive(Clone, Copy)]
-enum Slots<'a> {
+enum Slots<'a, B> {
     /// All rows are one sequence's (a prompt chunk, a single-token step).
     One(usize),
-    /// Row r is the sequence in slot `slots[r]` (a batched step: one token each).
-    Each(&'a [usize]),
+    /// Row r is the sequence in the slot the r-th id says (u32 in device memory: a batched
+    /// step, one token each).
+    Each(View<'a, B>),
 }
 
 /// Which rows' logits a forward computes.
@@ -318,8 +323,8 @@ enum Slots<'a> {
 enum Logits {
     None,
     Last,
-    /// Every row's, row r's vocab shard at `r · V` of `s.logits`.
-    All,
+    /// The first k rows', row r's vocab shard at `r · V` of `s.logits` (k ≤ slots).
+    First(usize),
 }
 
 /// One sequence of a batched step ([`Model::step_batch`]): its cache slot, the token to run
@@ -329,6 +334,15 @@ pub struct BatchRow {
     pub slot: usize,
     pub token: u32,
     pub pos: usize,
+    pub params: SampleParams,
+}
+
+/// A sequence that starts in a batched step ([`Model::step_batch`]): its cache slot, its
+/// prompt (prefilled in that step) and how its tokens are picked.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchStart<'a> {
+    pub slot: usize,
+    pub prompt: &'a [u32],
     pub params: SampleParams,
 }
 
@@ -976,22 +990,30 @@ impl<D: Device> Model<D> {
         self.slots
     }
 
-    /// One token for each of `rows` (at most [`Model::slots`], in distinct slots, each begun
-    /// with [`Model::begin_in`]): every row runs its token at its position in its own slot's
-    /// cache, all in one forward (the matrix products take the rows together), and its next
-    /// token is sampled with its own parameters. Returns the new tokens in row order. A row's
-    /// result does not depend on the other rows (on the CPU backend, bitwise).
+    /// One token for each of `rows` (sequences begun with [`Model::begin_in`] or here), and
+    /// the first token of each of `starts` (new sequences, whose prompts are prefilled in the
+    /// same pass): every row runs its token at its position in its own slot's cache, all in
+    /// one forward (the matrix products take the rows together), and each sequence's next
+    /// token is sampled with its own parameters. At most [`Model::slots`] sequences in
+    /// distinct slots, and at most the prefill chunk of rows in all (see
+    /// [`Model::batch_room`]); prompts only for attention-only models. Returns the new tokens
+    /// of `rows`, then of `starts`, in order. A sequence's tokens do not depend on the others
+    /// (on the CPU backend, bitwise the tokens of [`Model::begin`] and [`Model::decode`]).
     pub fn step_batch(
         &mut self,
         comm: &mut dyn Collectives<D>,
         rows: &[BatchRow],
+        starts: &[BatchStart<'_>],
     ) -> Result<Vec<u32>, RankError> {
         self.check_comm(comm)?;
-        let n = rows.len();
+        let (n, p) = (rows.len(), starts.len());
+        let prompt_rows: usize = starts.iter().map(|s| s.prompt.len()).sum();
+        let m = n + prompt_rows;
         let mut seen = vec![false; self.slots];
+        let mut fresh =
+            |slot: usize| slot < self.slots && !std::mem::replace(&mut seen[slot], true);
         for r in rows {
-            let fresh = r.slot < self.slots && !std::mem::replace(&mut seen[r.slot], true);
-            if !fresh || r.pos >= self.max_seq || r.token as usize >= self.cfg.vocab {
+            if !fresh(r.slot) || r.pos >= self.max_seq || r.token as usize >= self.cfg.vocab {
                 return Err(RankError::Model(format!(
                     "cannot run token {} at position {} in slot {}: {} slots (each once), \
                      room for {} (KV cache), vocab {}",
@@ -999,37 +1021,104 @@ impl<D: Device> Model<D> {
                 )));
             }
         }
-        if n == 0 {
+        for st in starts {
+            let bad = |why: String| {
+                Err(RankError::Model(format!(
+                    "a prompt in slot {}: {why}",
+                    st.slot
+                )))
+            };
+            if !fresh(st.slot) {
+                return bad(format!("{} slots, each used once", self.slots));
+            }
+            if st.prompt.is_empty() || st.prompt.len() > self.max_seq {
+                return bad(format!(
+                    "{} tokens (the KV cache holds {})",
+                    st.prompt.len(),
+                    self.max_seq
+                ));
+            }
+            if let Some(&t) = st.prompt.iter().find(|&&t| t as usize >= self.cfg.vocab) {
+                return bad(format!(
+                    "token id {t} is outside the vocab of {}",
+                    self.cfg.vocab
+                ));
+            }
+        }
+        if p > 0 && self.cfg.hybrid.is_some() {
+            return Err(RankError::Model(
+                "a hybrid model's prompts are prefilled alone (Model::begin_in)".into(),
+            ));
+        }
+        if m > self.chunk {
+            return Err(RankError::Model(format!(
+                "{m} rows in one step: at most {} (the prefill chunk)",
+                self.chunk
+            )));
+        }
+        if m == 0 {
             return Ok(Vec::new());
         }
+        // Rows: the running sequences' tokens, then each prompt's last token (these n + p rows
+        // get logits and a sampled token), then the prompts' other tokens. The cache append of
+        // every row comes before any row's attention, so a prompt's rows may be in any order.
+        let mut order: Vec<(u32, usize, usize)> =
+            rows.iter().map(|r| (r.token, r.pos, r.slot)).collect();
+        for st in starts {
+            let last = st.prompt.len() - 1;
+            order.push((st.prompt[last], last, st.slot));
+        }
+        for st in starts {
+            let last = st.prompt.len() - 1;
+            order.extend(
+                st.prompt[..last]
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &t)| (t, i, st.slot)),
+            );
+        }
         let c = self.chunk;
-        let mut words = vec![0u32; 2 + 2 * c + 2 * n];
-        for (i, r) in rows.iter().enumerate() {
-            words[2 + i] = r.token;
-            words[2 + c + i] = r.pos as u32;
-            words[2 + 2 * c + 2 * i..][..2].copy_from_slice(&[r.token, r.pos as u32]);
+        let mut words = vec![0u32; 2 + 3 * c + 2 * (n + p)];
+        for (i, &(t, pos, slot)) in order.iter().enumerate() {
+            words[2 + i] = t;
+            words[2 + c + i] = pos as u32;
+            words[2 + 2 * c + i] = slot as u32;
+            if i < n + p {
+                words[2 + 3 * c + 2 * i..][..2].copy_from_slice(&[t, pos as u32]);
+            }
         }
         self.dev.write(&self.step.buf, 0, &encode_u32(&words))?;
-        let slots: Vec<usize> = rows.iter().map(|r| r.slot).collect();
         let step = &self.step;
         let fwd = Rows {
-            m: n,
-            ids: step.ids(n),
-            pos: step.positions(n),
-            slots: Slots::Each(&slots),
+            m,
+            ids: step.ids(m),
+            pos: step.positions(m),
+            slots: Slots::Each(step.slot_ids(m)),
         };
-        self.forward(comm, &fwd, Logits::All, true)?;
-        let sample: Vec<_> = rows
+        self.forward(comm, &fwd, Logits::First(n + p), true)?;
+        let params = rows
             .iter()
+            .map(|r| r.params)
+            .chain(starts.iter().map(|s| s.params));
+        let sample: Vec<_> = order
+            .iter()
+            .zip(params)
             .enumerate()
-            .map(|(i, r)| self.sample_row(i, &r.params, step.pair(i), r.slot))
+            .map(|(i, (&(_, _, slot), p))| self.sample_row(i, &p, step.pair(i), slot))
             .collect();
         self.sample(comm, &sample)?;
         let mark = self.dev.mark()?;
         self.dev.wait_mark(&mark)?;
-        rows.iter()
-            .map(|r| self.read_history(r.slot, r.pos + 1, r.pos + 1))
+        order[..n + p]
+            .iter()
+            .map(|&(_, pos, slot)| self.read_history(slot, pos + 1, pos + 1))
             .collect()
+    }
+
+    /// Whether a batched step of `rows` sequences can also prefill new prompts of
+    /// `prompt_tokens` tokens in all ([`Model::step_batch`]'s `starts`).
+    pub fn batch_room(&self, rows: usize, prompt_tokens: usize) -> bool {
+        self.cfg.hybrid.is_none() && rows + prompt_tokens <= self.chunk
     }
 
     /// The token the sampler stored for `position` of slot `slot`, the `n`th generated one
@@ -1336,7 +1425,7 @@ impl<D: Device> Model<D> {
         let (first, lm) = match logits {
             Logits::None => return Ok(()),
             Logits::Last => (m - 1, 1),
-            Logits::All => (0, m),
+            Logits::First(k) => (0, k),
         };
         let vs = plan.vocab.len();
         let (head, y) = (w.head().view(), f32v(&s.logits, lm * vs));
@@ -1489,61 +1578,63 @@ impl<D: Device> Model<D> {
         // s.qkv holds [q | k | v] (then the gate block): `forward` ran the projection.
         let wqkv = nq + 2 * nkv;
         let gated = cfg.hybrid.as_ref().is_some_and(|hy| hy.attn_gate);
-        // Rows `r0..r0 + n` in one slot's cache: one op each over them. A batched step's
-        // rows are in different slots: one pair of ops per row.
-        let groups: Vec<(usize, usize, usize)> = match rows.slots {
-            Slots::One(slot) => vec![(0, m, slot)],
-            Slots::Each(slots) => slots
-                .iter()
-                .enumerate()
-                .map(|(r, &sl)| (r, 1, sl))
-                .collect(),
-        };
-        let f32at = |b, row: usize, width: usize, n: usize| {
-            View::new(b, row * width * 4, n * width, DType::F32)
-        };
-        for (r0, n, slot) in groups {
-            let cache = |b| View::new(b, slot * cap * nkv * kvt.size(), cap * nkv, kvt);
-            let pos = rows.pos.slice(r0, n);
-            // q = rope(q_norm(q)); cache[pos] = rope(k_norm(k)), v   (norms: Qwen3, Qwen3.5;
-            // Qwen3.5 rotates only the first rotary_dim dims of each head)
-            dev.run(&Op::QkvRope(ops::QkvRope {
-                qkv: f32at(&s.qkv, r0, wqkv, n),
-                q: f32at(&s.q, r0, nq, n),
-                k_cache: cache(&kv.k),
-                v_cache: cache(&kv.v),
-                pos,
-                inv_freq: f32v(&s.inv_freq, rd / 2),
-                q_norm: aw.q_norm.as_ref().map(|t| t.view()),
-                k_norm: aw.k_norm.as_ref().map(|t| t.view()),
-                eps: cfg.rms_eps,
-                rows: n,
-                heads: nqh,
-                kv_heads: nkvh,
-                head_dim: d,
-                rotary_dim: rd,
-            }))?;
-            // att = softmax(q·kᵀ / √d + causal mask) · v
-            dev.run(&Op::Attention(ops::Attention {
-                q: f32at(&s.q, r0, nq, n),
-                k_cache: cache(&kv.k),
-                v_cache: cache(&kv.v),
-                out: f32at(&s.att, r0, nq, n),
-                pos,
-                rows: n,
-                heads: nqh,
-                kv_heads: nkvh,
-                head_dim: d,
-                scale: 1.0 / (d as f32).sqrt(),
-                workspace: (single && n == 1).then(|| {
-                    f32v(
-                        &s.attn_ws,
-                        ops::Attention::<D::Buf>::workspace_len(1, nqh, d, cap),
-                    )
+        // One sequence's rows: its slot's share of the cache. A batched step's rows: the
+        // whole cache, each row in the slot its id says.
+        let (base, len, slots) = match rows.slots {
+            Slots::One(slot) => (slot * cap * nkv, cap * nkv, None),
+            Slots::Each(ids) => (
+                0,
+                self.slots * cap * nkv,
+                Some(ops::CacheSlots {
+                    ids,
+                    count: self.slots,
                 }),
-            }))?;
-        }
+            ),
+        };
+        let cache = |b| View::new(b, base * kvt.size(), len, kvt);
+        // q = rope(q_norm(q)); cache[pos] = rope(k_norm(k)), v   (norms: Qwen3, Qwen3.5;
+        // Qwen3.5 rotates only the first rotary_dim dims of each head)
+        dev.run(&Op::QkvRope(ops::QkvRope {
+            qkv: f32v(&s.qkv, m * wqkv),
+            q: f32v(&s.q, m * nq),
+            k_cache: cache(&kv.k),
+            v_cache: cache(&kv.v),
+            pos: rows.pos,
+            slots,
+            inv_freq: f32v(&s.inv_freq, rd / 2),
+            q_norm: aw.q_norm.as_ref().map(|t| t.view()),
+            k_norm: aw.k_norm.as_ref().map(|t| t.view()),
+            eps: cfg.rms_eps,
+            rows: m,
+            heads: nqh,
+            kv_heads: nkvh,
+            head_dim: d,
+            rotary_dim: rd,
+        }))?;
+        // att = softmax(q·kᵀ / √d + causal mask) · v; a single token, or a batch of them
+        // (one each), may split each sequence across blocks.
         let att = f32v(&s.att, m * nq);
+        // (its workspace holds one query per cache slot)
+        let split = single && (m == 1 || (slots.is_some() && m <= self.slots));
+        dev.run(&Op::Attention(ops::Attention {
+            q: f32v(&s.q, m * nq),
+            k_cache: cache(&kv.k),
+            v_cache: cache(&kv.v),
+            out: att,
+            pos: rows.pos,
+            slots,
+            rows: m,
+            heads: nqh,
+            kv_heads: nkvh,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+            workspace: split.then(|| {
+                f32v(
+                    &s.attn_ws,
+                    ops::Attention::<D::Buf>::workspace_len(m, nqh, d, cap),
+                )
+            }),
+        }))?;
         if gated {
             // att = att · sigmoid(gate)
             dev.run(&Op::SigmoidMul(ops::SigmoidMul {

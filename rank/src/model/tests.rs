@@ -869,9 +869,10 @@ fn kernel_limits_are_checked_at_load() {
     fits_kernels(&config_for(&opts(Arch::Llama)), "cuda", gpu).unwrap();
 }
 
-/// Continuous batching: sequences that join a batch at different steps, leave it when done
-/// and hand their cache slot to the next, each get bitwise the tokens they get alone (greedy
-/// and seeded sampling), at world 1 and 2 (CPU backend).
+/// Continuous batching: sequences that join a batch at different steps (prefilled alone, or
+/// in the batched step itself next to the others' tokens), leave it when done and hand their
+/// cache slot to the next, each get bitwise the tokens they get alone (greedy and seeded
+/// sampling), at world 1 and 2 (CPU backend).
 #[test]
 fn batched_steps_give_each_sequence_its_tokens_alone() {
     let dir = synth_tiny("batch", Arch::Qwen3, DType::BF16);
@@ -914,15 +915,35 @@ fn batched_steps_give_each_sequence_its_tokens_alone() {
             let mut got = vec![Vec::new(); seqs.len()];
             let (mut next, mut step) = (0, 0);
             while next < seqs.len() || !running.is_empty() {
-                while next < seqs.len() && seqs[next].4 <= step && running.len() < m.slots() {
+                // Even sequences start in a batched step (their prompt among its rows), odd
+                // ones are prefilled alone first.
+                let mut starting: Vec<(usize, usize)> = Vec::new();
+                while next < seqs.len()
+                    && seqs[next].4 <= step
+                    && running.len() + starting.len() < m.slots()
+                {
                     let slot = (0..m.slots())
-                        .find(|s| running.iter().all(|r| r.1 != *s))
+                        .find(|s| {
+                            running.iter().all(|r| r.1 != *s) && starting.iter().all(|r| r.1 != *s)
+                        })
                         .unwrap();
                     let (prompt, _, t, seed, _) = &seqs[next];
-                    let first = m.begin_in(comm, slot, prompt, &params(*t, *seed)).unwrap();
-                    running.push((next, slot, vec![first]));
+                    if next % 2 == 0 {
+                        starting.push((next, slot));
+                    } else {
+                        let first = m.begin_in(comm, slot, prompt, &params(*t, *seed)).unwrap();
+                        running.push((next, slot, vec![first]));
+                    }
                     next += 1;
                 }
+                let starts: Vec<BatchStart> = starting
+                    .iter()
+                    .map(|&(i, slot)| BatchStart {
+                        slot,
+                        prompt: &seqs[i].0,
+                        params: params(seqs[i].2, seqs[i].3),
+                    })
+                    .collect();
                 let rows: Vec<BatchRow> = running
                     .iter()
                     .map(|(i, slot, toks)| BatchRow {
@@ -932,9 +953,12 @@ fn batched_steps_give_each_sequence_its_tokens_alone() {
                         params: params(seqs[*i].2, seqs[*i].3),
                     })
                     .collect();
-                let new = m.step_batch(comm, &rows).unwrap();
-                for (r, t) in running.iter_mut().zip(new) {
+                let new = m.step_batch(comm, &rows, &starts).unwrap();
+                for (r, &t) in running.iter_mut().zip(&new) {
                     r.2.push(t);
+                }
+                for (&(i, slot), &t) in starting.iter().zip(&new[rows.len()..]) {
+                    running.push((i, slot, vec![t]));
                 }
                 for r in running.iter().filter(|r| r.2.len() >= seqs[r.0].1) {
                     got[r.0] = r.2[..seqs[r.0].1].to_vec();
@@ -958,9 +982,12 @@ fn batched_steps_give_each_sequence_its_tokens_alone() {
             pos: 2,
             params: p,
         };
-        let twice = m.step_batch(comm, &[row, row]).unwrap_err().to_string();
+        let twice = m
+            .step_batch(comm, &[row, row], &[])
+            .unwrap_err()
+            .to_string();
         let far = BatchRow { slot: 3, ..row };
-        let beyond = m.step_batch(comm, &[far]).unwrap_err().to_string();
+        let beyond = m.step_batch(comm, &[far], &[]).unwrap_err().to_string();
         (twice, beyond)
     });
     assert!(errs[0].0.contains("slot 0"), "{}", errs[0].0);

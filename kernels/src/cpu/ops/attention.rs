@@ -187,6 +187,7 @@ mod tests {
                     kv_heads: kvh,
                     head_dim: hd,
                     pos: View::new(&bp, 0, rows, DType::U32),
+                    slots: None,
                     scale: 1.0 / (hd as f32).sqrt(),
                     workspace: None,
                 }))

@@ -79,12 +79,24 @@ pub(crate) fn rope(dev: &CpuDevice, a: &ops::Rope<'_, CpuBuf>) -> Result<()> {
     Ok(())
 }
 
+/// Each row's cache slot (0 for all without slots), clamped as ops::CacheSlots says.
+fn slot_ids(slots: &Option<ops::CacheSlots<'_, CpuBuf>>, rows: usize) -> Result<Vec<usize>> {
+    Ok(match slots {
+        None => vec![0; rows],
+        Some(s) => read_u32(&s.ids)?
+            .into_iter()
+            .map(|i| (i as usize).min(s.count - 1))
+            .collect(),
+    })
+}
+
 pub(crate) fn qkv_rope(dev: &CpuDevice, a: &ops::QkvRope<'_, CpuBuf>) -> Result<()> {
     let d = a.head_dim;
     let (nq, nkv) = (a.heads * d, a.kv_heads * d);
     let w = nq + 2 * nkv;
     let pos = read_u32(&a.pos)?;
     let cap = a.cap();
+    let slot = slot_ids(&a.slots, a.rows)?;
     let qkv = read_f32(&a.qkv)?;
     // Scratch for one row's k and v, so that norm and RoPE run as the plain ops do.
     let kbuf = dev.alloc(2 * nkv * 4)?;
@@ -106,7 +118,7 @@ pub(crate) fn qkv_rope(dev: &CpuDevice, a: &ops::QkvRope<'_, CpuBuf>) -> Result<
         rope_rows(dev, &q, &a.inv_freq, 1, a.heads, dims, p as usize)?;
         rope_rows(dev, &kv, &a.inv_freq, 1, a.kv_heads, dims, p as usize)?;
         if (p as usize) < cap {
-            let at = p as usize * nkv;
+            let at = (slot[r] * cap + p as usize) * nkv;
             super::super::reduce::copy(dev, &kv, &a.k_cache.slice(at, nkv))?;
             super::super::reduce::copy(dev, &vv, &a.v_cache.slice(at, nkv))?;
         }
@@ -122,12 +134,24 @@ pub(crate) fn attention(dev: &CpuDevice, a: &ops::Attention<'_, CpuBuf>) -> Resu
         .into_iter()
         .map(|p| p.min(cap as u32 - 1))
         .collect();
+    let slot = slot_ids(&a.slots, a.rows)?;
+    // Runs of consecutive positions in one slot.
+    let mut groups: Vec<(usize, usize, usize)> = Vec::new();
     for (r0, n, p0) in runs(&pos) {
+        for r in r0..r0 + n {
+            match groups.last_mut() {
+                Some((g0, gn, _)) if r > r0 && slot[*g0] == slot[r] => *gn += 1,
+                _ => groups.push((r, 1, p0 + r - r0)),
+            }
+        }
+    }
+    for (r0, n, p0) in groups {
         let seq = p0 + n;
         let (q, out) = (a.q.slice(r0 * row, n * row), a.out.slice(r0 * row, n * row));
+        let base = slot[r0] * cap * kvrow;
         let (k, v) = (
-            a.k_cache.slice(0, seq * kvrow),
-            a.v_cache.slice(0, seq * kvrow),
+            a.k_cache.slice(base, seq * kvrow),
+            a.v_cache.slice(base, seq * kvrow),
         );
         attention_rows(
             dev,
@@ -507,6 +531,7 @@ mod tests {
             k_cache: View::new(&kc, 0, cap * kvh * d, DType::BF16),
             v_cache: View::new(&vc, 0, cap * kvh * d, DType::BF16),
             pos: View::new(&posb, 0, rows, DType::U32),
+            slots: None,
             inv_freq: View::new(&invb, 0, d / 2, DType::F32),
             q_norm: None,
             k_norm: None,
@@ -573,6 +598,7 @@ mod tests {
             k_cache: View::new(&kc, 0, cap * kvh * d, DType::F32),
             v_cache: View::new(&vc, 0, cap * kvh * d, DType::F32),
             pos: View::new(&posb, 0, 1, DType::U32),
+            slots: None,
             inv_freq: View::new(&invb, 0, rd / 2, DType::F32),
             q_norm: None,
             k_norm: None,
