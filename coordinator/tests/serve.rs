@@ -508,6 +508,28 @@ fn requests_join_a_running_batch_and_leave_it() {
         assert_eq!(metric("tprun_batch_size"), 0.0);
         assert!(metric("tprun_batch_size_peak") <= 3.0);
         assert!(metric("tprun_generated_tokens_total") < 7000.0);
+        // Prompts that arrive together and do not all fit one step's rows (512): those that
+        // do are prefilled inside the step, the others alone; every one is answered.
+        let long = "word ".repeat(60);
+        let prompts = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..6)
+                .map(|_| {
+                    let (srv, long) = (&srv, &long);
+                    s.spawn(move || srv.json("/v1/completions", &completion(srv, long, 3, false)))
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| {
+                    h.join().unwrap()["usage"]["prompt_tokens"]
+                        .as_u64()
+                        .unwrap()
+                })
+                .sum::<u64>()
+        });
+        assert!(
+            prompts > 512,
+            "{prompts} prompt tokens: not enough to overflow a step"
+        );
         let status = srv.stop();
         assert!(status.success(), "{status:?}");
         env.assert_clean();

@@ -128,6 +128,9 @@ pub fn run<D: Device>(
         // tokens (no stall of the batch for a separate prefill pass), as far as the step's
         // rows allow; a longer prompt (or any in a hybrid model) is prefilled alone first.
         let mut starting: Vec<Seq> = Vec::new();
+        // Every admitted request may end up a row of its own (one prefilled alone joins the
+        // running ones): count them all against the step's rows.
+        let rows_bound = b.running.len() + admit.len();
         for id in admit {
             let req = take_request(ctx, conn, &mut b, id)?;
             let seq = match seat(&model, &b, &starting, req) {
@@ -138,7 +141,7 @@ pub fn run<D: Device>(
                 }
             };
             let tokens = starting.iter().map(|s| s.req.prompt.len()).sum::<usize>();
-            if model.batch_room(b.running.len(), tokens + seq.req.prompt.len()) {
+            if model.batch_room(rows_bound, tokens + seq.req.prompt.len()) {
                 starting.push(seq);
             } else {
                 start_alone(ctx, conn, &mut model, &mut comm, &mut b, seq, timeout)?;
