@@ -110,6 +110,8 @@ for _ in $(seq 300); do
     sleep 0.1
 done
 check "the job is ready" test -n "$READY"
+# (the acceptor removes it when it next wakes, within a few tens of milliseconds)
+for _ in $(seq 50); do [ -e "$SOCK" ] || break; sleep 0.1; done
 check "the socket file is gone once all ranks joined" test ! -e "$SOCK"
 sed 's/^/    /' "$WORK/rank0.log"
 
