@@ -504,6 +504,12 @@ fn requests_join_a_running_batch_and_leave_it() {
         // Both are evicted at the ranks' next steps; a third request then runs alone.
         let v = srv.json("/v1/completions", &completion(&srv, "Lily", 5, false));
         assert_eq!(v["usage"]["completion_tokens"], 5, "{v}");
+        // The evictions follow the disconnects as soon as the server writes to them: wait
+        // for both (a generous bound, not a speed test).
+        let t0 = std::time::Instant::now();
+        while metric("tprun_cancelled_total") < 2.0 && t0.elapsed() < Duration::from_secs(30) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
         assert_eq!(metric("tprun_cancelled_total"), 2.0);
         assert_eq!(metric("tprun_batch_size"), 0.0);
         assert!(metric("tprun_batch_size_peak") <= 3.0);
