@@ -416,11 +416,17 @@ fn a_disconnect_mid_stream_frees_the_ranks() {
             &srv,
             &completion(&srv, "Once upon a time", 4000, true),
         ));
-        // The ranks go on to the next request, which is answered in full.
+        // The ranks go on with the next request, which is answered in full (beside the
+        // abandoned one until its eviction, which follows when the server next writes to
+        // it: waited for, with a generous bound that is not a speed test).
         let v = srv.json("/v1/completions", &completion(&srv, "Lily", 5, false));
         assert!(v["usage"]["completion_tokens"]
             .as_u64()
             .is_some_and(|n| n <= 5));
+        let t0 = std::time::Instant::now();
+        while metric("tprun_batch_size") > 0.0 && t0.elapsed() < Duration::from_secs(30) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
         let (generated, cancelled) = (
             metric("tprun_generated_tokens_total"),
             metric("tprun_cancelled_total"),
