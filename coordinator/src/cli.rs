@@ -213,9 +213,9 @@ pub struct ServeArgs {
     #[arg(long, allow_hyphen_values = true, value_parser = whole::<usize>(1, 64))]
     pub max_batch: Option<usize>,
 
-    /// Do not start the ranks: wait for --ranks of them, started elsewhere (other containers
-    /// or machines' namespaces) with `tprun rank --join SOCKET --rank I [--device D]`, to
-    /// join at this socket path. It must not exist; it is removed once all have joined. The
+    /// Do not start the ranks: wait for --ranks of them, started elsewhere on this machine
+    /// (other containers or namespaces sharing the socket's folder) with `tprun rank --join
+    /// SOCKET --rank I [--device D]`, to join at this socket path. It must not exist; it is removed once all have joined. The
     /// job token comes from TPRUN_JOB_TOKEN (32 hex digits) or is made up and printed.
     #[arg(long, value_name = "SOCKET")]
     pub listen: Option<PathBuf>,
