@@ -31,7 +31,7 @@ pub fn info(args: &InfoArgs) -> Result<i32, JobError> {
                 }),
                 Err(e) => json!({ "available": false, "why": e.to_string() }),
             },
-            "hip": { "available": false, "why": "no HIP runtime layer in this build" },
+            "hip": { "available": false, "why": crate::hip_status() },
         });
         println!("{}", serde_json::to_string_pretty(&v).expect("json"));
         return Ok(0);
@@ -79,7 +79,7 @@ pub fn info(args: &InfoArgs) -> Result<i32, JobError> {
         }
         Err(e) => println!("cuda  unavailable: {e}"),
     }
-    println!("hip   unavailable: no HIP runtime layer in this build");
+    println!("hip   unavailable: {}", crate::hip_status());
     Ok(0)
 }
 

@@ -101,11 +101,7 @@ impl Settings {
                 Err(why) => return Err(format!("backend 'cuda' is not usable: {why}")),
             },
             BackendArg::Hip => {
-                return Err(
-                    "backend 'hip' is not usable: this build has no HIP runtime layer \
-                            yet (its kernels compile for gfx906/gfx90a); use --backend cpu"
-                        .into(),
-                )
+                return Err(format!("backend 'hip' is not usable: {}", hip_status()))
             }
         };
         Ok(Settings {
@@ -237,6 +233,21 @@ fn spawned_by_parent() -> bool {
         .is_ok_and(|p| p == std::os::unix::process::parent_id().to_string())
 }
 
+/// Why `--backend hip` cannot run here: no runtime, no device, or (with both) no HIP device
+/// layer in this build yet.
+pub fn hip_status() -> String {
+    match tprun_kernels::hip::HipRuntime::load() {
+        Err(e) => e,
+        Ok(rt) => match rt.devices() {
+            Err(e) => e,
+            Ok(n) => format!(
+                "{n} HIP device(s), but this build has no HIP device layer yet (the kernels \
+                 build through hiprtc; memory, streams and launches are next)"
+            ),
+        },
+    }
+}
+
 /// The job's ranks are started elsewhere and join (`serve --listen`).
 fn remote_ranks(cli: &Cli) -> bool {
     matches!(&cli.command, Command::Serve(a) if a.listen.is_some())
@@ -298,6 +309,11 @@ fn run(cli: Cli) -> i32 {
     };
     let settings = match Settings::from_cli(&cli, default_world) {
         Ok(s) => s,
+        // Not a usage error: the machine cannot run it (exit 1).
+        Err(e) if cli.backend == BackendArg::Hip => {
+            eprintln!("error: {e}");
+            return 1;
+        }
         Err(e) => return usage_error(&e),
     };
     let result = match &cli.command {

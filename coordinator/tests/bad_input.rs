@@ -211,7 +211,13 @@ fn global_flags() {
         bench(&["--devices", "5000"], "--devices"),
         bench(&["--devices", &sixty_five], "--devices"),
         bench(&["--backend", "tpu"], "--backend"),
-        bench(&["--backend", "hip"], "hip"),
+        // No HIP device here (or no runtime): one line naming it, exit 1.
+        case(
+            &["--backend", "hip", "bench", "allreduce", "--counts", "8"],
+            1,
+            "hip",
+        ),
+        case(&["--backend", "hip", "selftest"], 1, "hip"),
         bench(&["--ipc", "carrier-pigeon"], "--ipc"),
         case(&["--bogus-flag", "decode"], 2, "--bogus-flag"),
         case(&["frobnicate"], 2, "frobnicate"),

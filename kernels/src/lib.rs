@@ -15,6 +15,7 @@ pub mod cuda;
 pub mod device;
 pub mod dtype;
 pub mod error;
+pub mod hip;
 pub mod int4;
 pub mod ops;
 pub mod rng;

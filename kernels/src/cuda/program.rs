@@ -81,7 +81,7 @@ pub(crate) fn expand(src: &str) -> String {
 
 /// FNV-1a, 64-bit (Fowler, Noll, Vo; offset basis and prime from the published parameters):
 /// a stable hash whose value never changes with the Rust version, unlike `DefaultHasher`.
-fn fnv1a64(bytes: &[u8]) -> u64 {
+pub(crate) fn fnv1a64(bytes: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for &b in bytes {
         h ^= u64::from(b);
@@ -90,7 +90,7 @@ fn fnv1a64(bytes: &[u8]) -> u64 {
     h
 }
 
-fn cache_dir() -> Option<PathBuf> {
+pub(crate) fn cache_dir() -> Option<PathBuf> {
     if let Some(d) = std::env::var_os("TPRUN_KERNEL_CACHE") {
         return Some(PathBuf::from(d));
     }
@@ -144,7 +144,7 @@ pub(crate) fn cubin(name: &str, src: &str, (major, minor): (i32, i32)) -> Result
 /// Puts `bytes` in the cache as `dir/file`, whole or not at all. They go to an unnamed file in
 /// `dir` (`O_TMPFILE`) that is linked under its name once complete; a name that exists already
 /// is kept (another rank compiled the same module first, to the same bytes).
-fn store(dir: &Path, file: &str, bytes: &[u8]) -> std::io::Result<()> {
+pub(crate) fn store(dir: &Path, file: &str, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::OpenOptionsExt;
