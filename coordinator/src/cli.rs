@@ -215,8 +215,9 @@ pub struct ServeArgs {
 
     /// Do not start the ranks: wait for --ranks of them, started elsewhere on this machine
     /// (other containers or namespaces sharing the socket's folder) with `tprun rank --join
-    /// SOCKET --rank I [--device D]`, to join at this socket path. It must not exist; it is removed once all have joined. The
-    /// job token comes from TPRUN_JOB_TOKEN (32 hex digits) or is made up and printed.
+    /// SOCKET --rank I [--device D]`, to join at this socket path. It must not exist; it is
+    /// removed once all have joined. The job token comes from TPRUN_JOB_TOKEN (32 hex digits)
+    /// or is made up and printed.
     #[arg(long, value_name = "SOCKET")]
     pub listen: Option<PathBuf>,
 }

@@ -226,9 +226,6 @@ pub fn hex(bytes: &[u8]) -> String {
 
 struct RankState {
     pid: u32,
-    /// Started elsewhere and joined at a `--listen` socket: not our child, so it has no exit
-    /// status; its connection closing is its end.
-    remote: bool,
     /// Until the waiter thread reports the exit.
     child_alive: bool,
     /// The exit status, once known, and when it was seen. A rank is judged only once its
@@ -309,7 +306,6 @@ pub fn run(launch: Launch, observer: &mut dyn Observer) -> Result<(), JobError> 
         match spawned {
             Ok(pid) => ranks.push(RankState {
                 pid,
-                remote: launch.listen.is_some(),
                 child_alive: launch.listen.is_none(),
                 exit: None,
                 closed: false,
@@ -459,12 +455,15 @@ impl Supervisor<'_> {
         format!("rank {r} (pid {}, device {})", s.pid, s.device)
     }
 
+    /// Whether connection `id` (the address of its `Conn`) is rank r's admitted one.
+    fn is_conn(&self, r: usize, id: usize) -> bool {
+        self.ranks[r].conn.as_ref().map(|c| Arc::as_ptr(c) as usize) == Some(id)
+    }
+
     fn handle(&mut self, ev: Event, observer: &mut dyn Observer) {
         match ev {
             Event::Joined(r, conn, pid) => self.on_join(r, conn, pid),
-            Event::Msg(r, id, _, _)
-                if self.ranks[r].conn.as_ref().map(|c| Arc::as_ptr(c) as usize) != Some(id) =>
-            {
+            Event::Msg(r, id, _, _) if !self.is_conn(r, id) => {
                 // A refused duplicate claiming an admitted rank's number: ignore it.
             }
             Event::Msg(r, _, msg, fds) => match msg {
@@ -513,7 +512,7 @@ impl Supervisor<'_> {
             },
             Event::Closed(r, id) => {
                 // A refused duplicate's connection closing says nothing of rank r.
-                if self.ranks[r].conn.as_ref().map(|c| Arc::as_ptr(c) as usize) == Some(id) {
+                if self.is_conn(r, id) {
                     self.ranks[r].closed = true;
                     self.judge(r);
                 }
@@ -529,10 +528,10 @@ impl Supervisor<'_> {
     /// Decides whether rank `r`'s exit was a failure, once both its exit status and the end
     /// of its connection are known (or its exit is old enough that no more messages come).
     fn judge(&mut self, r: usize) {
-        let s = &self.ranks[r];
-        if s.remote {
+        if self.remote() {
             return self.judge_remote(r);
         }
+        let s = &self.ranks[r];
         let Some((status, when)) = s.exit else { return };
         let settled = s.closed || s.conn.is_none() || when.elapsed() > CLOSE_GRACE;
         if s.judged || !settled {
@@ -555,6 +554,12 @@ impl Supervisor<'_> {
         };
         let m = format!("{} {how} during {phase}", self.describe(r));
         self.fail(JobError::RankDied(m), AbortReason::RankFailed, Some(r));
+    }
+
+    /// The ranks were started elsewhere and joined at a `--listen` socket: not our children,
+    /// so they have no exit status; a connection closing is its rank's end.
+    fn remote(&self) -> bool {
+        self.launch.listen.is_some()
     }
 
     /// A rank started elsewhere ends when its connection does: after `Done` or `Failed` that
@@ -606,7 +611,7 @@ impl Supervisor<'_> {
         self.ranks[r].conn = Some(conn);
         self.joined += 1;
         self.last_progress = Instant::now();
-        if self.ranks[r].remote {
+        if self.remote() {
             self.ranks[r].pid = pid;
             eprintln!(
                 "tprun: rank {r} joined (pid {pid}); {} of {}",
@@ -687,7 +692,7 @@ impl Supervisor<'_> {
             let missing: Vec<usize> = (0..self.launch.world)
                 .filter(|&r| self.ranks[r].conn.is_none())
                 .collect();
-            if self.launch.listen.is_some() {
+            if self.remote() {
                 // Ranks started by hand or by an orchestrator may take any time to come.
                 if self.reminded.elapsed() > LISTEN_REMINDER {
                     self.reminded = Instant::now();
@@ -735,7 +740,7 @@ impl Supervisor<'_> {
             let live: Vec<String> = (0..self.launch.world)
                 .filter(|&r| {
                     let s = &self.ranks[r];
-                    !s.done && (s.child_alive || (s.remote && !s.closed))
+                    !s.done && (s.child_alive || (self.remote() && !s.closed))
                 })
                 .map(|r| format!("rank {r} in {}", self.control.phase_name(r)))
                 .collect();

@@ -115,6 +115,25 @@ impl Server {
         assert_eq!(status, 200, "{body}");
         serde_json::from_str(&body).unwrap()
     }
+
+    /// The value of metric `name` on /metrics now.
+    fn metric(&self, name: &str) -> f64 {
+        let (_, m) = self.request("GET", "/metrics", "");
+        let line = m
+            .lines()
+            .find(|l| l.starts_with(&format!("{name} ")))
+            .unwrap();
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    }
+
+    /// Waits until metric `name` satisfies `done` (a generous bound, not a speed test: what it
+    /// waits for follows a disconnect once the server next writes to it).
+    fn await_metric(&self, name: &str, done: impl Fn(f64) -> bool) {
+        let t0 = std::time::Instant::now();
+        while !done(self.metric(name)) && t0.elapsed() < Duration::from_secs(30) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
 }
 
 impl Drop for Server {
@@ -403,14 +422,7 @@ fn a_disconnect_mid_stream_frees_the_ranks() {
     for world in [1, 4] {
         let env = Env::new("serve-cancel");
         let srv = Server::start(&env, world, Some(&model), &["--max-seq", "4096"]);
-        let metric = |name: &str| -> f64 {
-            let (_, m) = srv.request("GET", "/metrics", "");
-            let line = m
-                .lines()
-                .find(|l| l.starts_with(&format!("{name} ")))
-                .unwrap();
-            line.rsplit(' ').next().unwrap().parse().unwrap()
-        };
+        let metric = |name: &str| srv.metric(name);
         // Read until the first token's event has come, then hang up.
         drop(first_token(
             &srv,
@@ -423,10 +435,7 @@ fn a_disconnect_mid_stream_frees_the_ranks() {
         assert!(v["usage"]["completion_tokens"]
             .as_u64()
             .is_some_and(|n| n <= 5));
-        let t0 = std::time::Instant::now();
-        while metric("tprun_batch_size") > 0.0 && t0.elapsed() < Duration::from_secs(30) {
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        srv.await_metric("tprun_batch_size", |b| b == 0.0);
         let (generated, cancelled) = (
             metric("tprun_generated_tokens_total"),
             metric("tprun_cancelled_total"),
@@ -488,14 +497,7 @@ fn requests_join_a_running_batch_and_leave_it() {
             None,
             &["--max-seq", "4096", "--max-batch", "3"],
         );
-        let metric = |name: &str| -> f64 {
-            let (_, m) = srv.request("GET", "/metrics", "");
-            let line = m
-                .lines()
-                .find(|l| l.starts_with(&format!("{name} ")))
-                .unwrap();
-            line.rsplit(' ').next().unwrap().parse().unwrap()
-        };
+        let metric = |name: &str| srv.metric(name);
         let long = |prompt: &str| {
             let mut v = completion(&srv, prompt, 4000, true);
             v["ignore_eos"] = json!(true);
@@ -510,12 +512,8 @@ fn requests_join_a_running_batch_and_leave_it() {
         // Both are evicted at the ranks' next steps; a third request then runs alone.
         let v = srv.json("/v1/completions", &completion(&srv, "Lily", 5, false));
         assert_eq!(v["usage"]["completion_tokens"], 5, "{v}");
-        // The evictions follow the disconnects as soon as the server writes to them: wait
-        // for both (a generous bound, not a speed test).
-        let t0 = std::time::Instant::now();
-        while metric("tprun_cancelled_total") < 2.0 && t0.elapsed() < Duration::from_secs(30) {
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        // The evictions follow the disconnects as soon as the server writes to them.
+        srv.await_metric("tprun_cancelled_total", |c| c >= 2.0);
         assert_eq!(metric("tprun_cancelled_total"), 2.0);
         assert_eq!(metric("tprun_batch_size"), 0.0);
         assert!(metric("tprun_batch_size_peak") <= 3.0);
