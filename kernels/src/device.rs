@@ -198,11 +198,16 @@ impl<B> Op<'_, B> {
     pub fn label(&self) -> String {
         match self {
             Op::Matmul(a) => format!(
-                "matmul {}x{}{}{}",
+                "matmul {}x{}{}{}{}",
                 a.n,
                 a.k,
                 if a.prologue == crate::ops::Prologue::SiluMul {
                     " silu"
+                } else {
+                    ""
+                },
+                if a.epilogue == crate::ops::Epilogue::SiluMul {
+                    " then silu"
                 } else {
                     ""
                 },

@@ -24,4 +24,4 @@ pub use comm::{AllreduceArgs, CommAlgo, CommLayout, CommSettings};
 pub use device::{Device, DeviceInfo, Export, ExportMeta, IpcMode, Op, OpLimits, OpTime, View};
 pub use dtype::DType;
 pub use error::{KernelError, Result};
-pub use ops::Prologue;
+pub use ops::{Epilogue, Prologue};

@@ -587,8 +587,32 @@ impl Prologue {
     }
 }
 
-/// `y = f(x) · wᵀ (+ bias)`: `w`: [n, k] (f32, f16 or bf16; a Linear's [out, in] layout),
-/// `bias`: [n] f32, `y`: [m, n] f32, accumulated in f32; `x` and `f` as the [`Prologue`] says.
+/// What a [`Matmul`] does with its output rows after the product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Epilogue {
+    /// `y`: [m, n], the product (+ bias) as it is.
+    None,
+    /// The gated MLP's activation on the fused gate|up projection: `w`'s rows are the gate
+    /// rows then the up rows (n even), and `y`: [m, n/2] gets `silu(gate) · up` ([`SiluMul`])
+    /// of each row's two halves (bias added before). The down projection then reads a plain
+    /// input: the activation is computed once per element instead of once per reading wave,
+    /// and its input is half as wide.
+    SiluMul,
+}
+
+impl Epilogue {
+    /// Elements of one row of the product's `y` for `n` product outputs: n, or n/2.
+    pub fn y_width(self, n: usize) -> usize {
+        match self {
+            Epilogue::None => n,
+            Epilogue::SiluMul => n / 2,
+        }
+    }
+}
+
+/// `y = g(f(x) · wᵀ (+ bias))`: `w`: [n, k] (f32, f16 or bf16; a Linear's [out, in] layout),
+/// `bias`: [n] f32, `y`: [m, n] f32, accumulated in f32; `x` and `f` as the [`Prologue`]
+/// says, `g` and `y`'s width as the [`Epilogue`] says (at most one of the two is SiluMul).
 /// `m = 1` is the decode matrix–vector product; prefill uses `m` = prompt tokens. `y` must not
 /// overlap `x`.
 pub struct Matmul<'a, B> {
@@ -600,14 +624,30 @@ pub struct Matmul<'a, B> {
     pub k: usize,
     pub n: usize,
     pub prologue: Prologue,
+    pub epilogue: Epilogue,
 }
 
 impl<B> Matmul<'_, B> {
     pub fn validate(&self) -> Result<()> {
+        if self.epilogue == Epilogue::SiluMul {
+            if self.prologue == Prologue::SiluMul {
+                return Err(bad("matmul", "a SiluMul prologue and epilogue together"));
+            }
+            if !self.n.is_multiple_of(2) {
+                return Err(bad(
+                    "matmul",
+                    format!(
+                        "the SiluMul epilogue needs an even n (gate | up), got {}",
+                        self.n
+                    ),
+                ));
+            }
+        }
         let xk = self.prologue.x_width(self.k);
         expect("matmul", "x", &self.x, self.m * xk, F32)?;
         expect("matmul", "w", &self.w, self.n * self.k, None)?;
-        expect("matmul", "y", &self.y, self.m * self.n, F32)?;
+        let yn = self.epilogue.y_width(self.n);
+        expect("matmul", "y", &self.y, self.m * yn, F32)?;
         if let Some(b) = &self.bias {
             expect("matmul", "bias", b, self.n, F32)?;
         }
@@ -862,6 +902,7 @@ mod tests {
             k: 4,
             n: 3,
             prologue: Prologue::None,
+            epilogue: Epilogue::None,
         };
         ok.validate().unwrap();
         let glu = Matmul {

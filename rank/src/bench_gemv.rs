@@ -9,7 +9,7 @@
 //! call directly over one copy (slow: for CI's smoke test).
 
 use tprun_ipc::{Conn, Msg};
-use tprun_kernels::ops::{Copy, Matmul, MatmulInt4, Prologue};
+use tprun_kernels::ops::{Copy, Epilogue, Matmul, MatmulInt4, Prologue};
 use tprun_kernels::rng::Rng;
 use tprun_kernels::{DType, Device, Op, View};
 
@@ -92,6 +92,7 @@ fn op<'a, B>(
             k: r.k,
             n: r.n,
             prologue,
+            epilogue: Epilogue::None,
         }),
         GemvQuant::Int4 { group, desc_act } => Op::MatmulInt4(MatmulInt4 {
             x,

@@ -18,7 +18,7 @@ use super::twin::{self, Buf, Tol, TwinCase};
 use super::{CudaDevice, SelftestResult};
 use crate::cpu::CpuDevice;
 use crate::device::{Op, View};
-use crate::ops::{AddNormMatmul, Matmul, Prologue};
+use crate::ops::{AddNormMatmul, Epilogue, Matmul, Prologue};
 use crate::{DType, KernelError, Result};
 
 /// The kernels of gemv.cu, in the order the launchers index them: [`kernel_index`].
@@ -32,6 +32,9 @@ pub(crate) const NAMES: &[&str] = &[
     "gemv_norm_f32",
     "gemv_norm_f16",
     "gemv_norm_bf16",
+    "gemv_glu_f32",
+    "gemv_glu_f16",
+    "gemv_glu_bf16",
     "gemm4_f32",
     "gemm4_f16",
     "gemm4_bf16",
@@ -41,6 +44,9 @@ pub(crate) const NAMES: &[&str] = &[
     "gemm4_norm_f32",
     "gemm4_norm_f16",
     "gemm4_norm_bf16",
+    "gemm4_glu_f32",
+    "gemm4_glu_f16",
+    "gemm4_glu_bf16",
     "gemm_f32",
     "gemm_f16",
     "gemm_bf16",
@@ -50,22 +56,28 @@ pub(crate) const NAMES: &[&str] = &[
     "gemm_norm_f32",
     "gemm_norm_f16",
     "gemm_norm_bf16",
+    "gemm_glu_f32",
+    "gemm_glu_f16",
+    "gemm_glu_bf16",
 ];
 
-/// What a kernel does to x before the product (gemv.cu TP_ACT_*): a [`Matmul`]'s prologue,
-/// or [`AddNormMatmul`]'s residual add + RMSNorm.
+/// What a kernel does around the product (gemv.cu TP_ACT_*): a [`Matmul`]'s prologue on x,
+/// [`AddNormMatmul`]'s residual add + RMSNorm, or a [`Matmul`]'s SiluMul epilogue (`Glu`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Act {
     None,
     Silu,
     Norm,
+    Glu,
 }
 
-impl From<Prologue> for Act {
-    fn from(p: Prologue) -> Act {
-        match p {
-            Prologue::None => Act::None,
-            Prologue::SiluMul => Act::Silu,
+impl Act {
+    /// A [`Matmul`]'s kernel kind (validate() refuses a SiluMul prologue with the epilogue).
+    fn of(a: &Matmul<'_, CudaBuf>) -> Act {
+        match (a.prologue, a.epilogue) {
+            (_, Epilogue::SiluMul) => Act::Glu,
+            (Prologue::SiluMul, _) => Act::Silu,
+            (Prologue::None, Epilogue::None) => Act::None,
         }
     }
 }
@@ -76,6 +88,8 @@ const ROWS: usize = 2;
 const ROWS_SILU: usize = 4;
 /// Output rows per wave of `gemv_norm_*` (gemv.cu TP_GEMV_ROWS_NORM).
 const ROWS_NORM: usize = 4;
+/// Product rows per wave of `gemv_glu_*`, half gate and half up (gemv.cu TP_GEMV_ROWS_GLU).
+const ROWS_GLU: usize = 4;
 /// Tokens per tile of `gemm_*` (gemv.cu TP_GEMV_TOKENS).
 const TOKENS: usize = 8;
 /// Tokens per tile of `gemm4_*`, for 2 to 4 tokens (gemv.cu TP_GEMV_TOKENS_SMALL).
@@ -111,8 +125,8 @@ struct GemvParams {
 }
 const _: () = assert!(std::mem::size_of::<GemvParams>() == 80);
 
-/// Index into [`NAMES`]: 9 · family (m = 1, m ≤ [`TOKENS_SMALL`], more) + 3 · act (none,
-/// silu, norm) + weight dtype (f32, f16, bf16).
+/// Index into [`NAMES`]: 12 · family (m = 1, m ≤ [`TOKENS_SMALL`], more) + 3 · act (none,
+/// silu, norm, glu) + weight dtype (f32, f16, bf16).
 fn kernel_index(m: usize, act: Act, dtype: DType) -> Result<usize> {
     let d = match dtype {
         DType::F32 => 0,
@@ -125,7 +139,7 @@ fn kernel_index(m: usize, act: Act, dtype: DType) -> Result<usize> {
         2..=TOKENS_SMALL => 1,
         _ => 2,
     };
-    Ok(9 * family + 3 * act as usize + d)
+    Ok(12 * family + 3 * act as usize + d)
 }
 
 /// What one launch needs: the kernel, grid and block.
@@ -146,9 +160,14 @@ fn plan(m: usize, n: usize, act: Act, dtype: DType, sms: u32) -> Result<Plan> {
         (1, Act::Silu) => ROWS_SILU,
         (1, Act::Norm) => ROWS_NORM,
         (1, Act::None) => ROWS,
+        (1, Act::Glu) => ROWS_GLU,
         _ => ROWS_TILED,
     };
-    let groups = n.div_ceil(rows);
+    // A row group of the epilogue's kernels is rows / 2 outputs (their gate and up rows).
+    let groups = match act {
+        Act::Glu => (n / 2).div_ceil(rows / 2),
+        _ => n.div_ceil(rows),
+    };
     let mut waves = MAX_WAVES;
     while waves > 1 && groups.div_ceil(waves) < 2 * sms as usize {
         waves /= 2;
@@ -187,7 +206,7 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
             l,
             (&a.x, &a.w, a.bias.as_ref(), &a.y),
             (a.m, a.k, a.n),
-            a.prologue.into(),
+            Act::of(a),
             None,
         ),
         Op::AddNormMatmul(a) => gemv(
@@ -321,7 +340,15 @@ impl Spec {
     fn xk(&self) -> usize {
         match self.act {
             Act::Silu => 2 * self.k,
-            Act::None | Act::Norm => self.k,
+            Act::None | Act::Norm | Act::Glu => self.k,
+        }
+    }
+
+    /// Elements of one row of y.
+    fn yn(&self) -> usize {
+        match self.act {
+            Act::Glu => self.n / 2,
+            _ => self.n,
         }
     }
 }
@@ -406,6 +433,7 @@ impl TwinCase for MatmulCase {
                 Act::None => "",
                 Act::Silu => " silu_mul",
                 Act::Norm => " add_norm",
+                Act::Glu => " then silu_mul",
             },
             if self.s.offset > 0 { " unaligned" } else { "" },
         )
@@ -425,7 +453,7 @@ impl TwinCase for MatmulCase {
         if s.bias {
             b.push(Buf::input(DType::F32, self.b.clone()));
         }
-        b.push(Buf::output(DType::F32, s.m * s.n));
+        b.push(Buf::output(DType::F32, s.m * s.yn()));
         if s.act == Act::Norm {
             b.push(Buf::input(DType::F32, self.d.clone()));
             b.push(Buf::input(DType::F32, self.g.clone()));
@@ -470,6 +498,11 @@ impl TwinCase for MatmulCase {
                 } else {
                     Prologue::None
                 },
+                epilogue: if act == Act::Glu {
+                    Epilogue::SiluMul
+                } else {
+                    Epilogue::None
+                },
             }),
         }
     }
@@ -482,6 +515,38 @@ impl TwinCase for MatmulCase {
     /// a missed row or a misplaced token is off by O(|y|).
     fn tol(&self) -> Tol {
         Tol::Rel(1e-4)
+    }
+
+    /// With the SiluMul epilogue, y = silu(a) · b of two such sums a and b (gate and up rows),
+    /// each off by the error above relative to 1 + |a| (1 + |b|); y's error is then about
+    /// |b| · |silu'(a)| · δa + |silu(a)| · δb, bounded by that relative error times
+    /// (1 + |a|) · (1 + |b|), which can be ~30× 1 + |y| at k = 4096 (|a| ~ 27 and y small
+    /// where a is near 0: a simulation of both summation orders gave 1.4e-3 of 1 + |y| but
+    /// 2.8e-5 of (1 + |a|)(1 + |b|)). So the tolerance is taken relative to the latter,
+    /// computed here in f64 from the inputs. A wrong row, token, bias or missing activation
+    /// is still off by O(|y|).
+    fn magnitudes(&self, buf: usize) -> Option<Vec<f32>> {
+        let s = &self.s;
+        if s.act != Act::Glu || buf != 2 + usize::from(s.bias) {
+            return None;
+        }
+        let x = crate::dtype::decode(DType::F32, &self.x);
+        let w = crate::dtype::decode(s.dtype, &self.w);
+        let bias = crate::dtype::decode(DType::F32, &self.b);
+        let (x, w) = (&x[s.offset..], &w[s.offset..]);
+        let h = s.n / 2;
+        let sum = |t: usize, row: usize| -> f64 {
+            let (xr, wr) = (&x[t * s.k..(t + 1) * s.k], &w[row * s.k..(row + 1) * s.k]);
+            let d: f64 = xr.iter().zip(wr).map(|(a, b)| *a as f64 * *b as f64).sum();
+            d + if s.bias { bias[row] as f64 } else { 0.0 }
+        };
+        let mut out = Vec::with_capacity(s.m * h);
+        for t in 0..s.m {
+            for j in 0..h {
+                out.push(((1.0 + sum(t, j).abs()) * (1.0 + sum(t, h + j).abs())) as f32);
+            }
+        }
+        Some(out)
     }
 }
 
@@ -509,7 +574,7 @@ fn specs() -> Vec<Spec> {
         act,
         offset,
     };
-    let (none, silu, norm) = (Act::None, Act::Silu, Act::Norm);
+    let (none, silu, norm, glu) = (Act::None, Act::Silu, Act::Norm, Act::Glu);
     let mut v = Vec::new();
     let mut i = 0usize;
     for dtype in DType::ALL {
@@ -520,10 +585,14 @@ fn specs() -> Vec<Spec> {
                         (false, none),
                         (true, silu),
                         (false, norm),
+                        (true, glu),
                         (true, none),
                         (false, silu),
                         (true, norm),
-                    ][i % 6];
+                        (false, glu),
+                    ][i % 8];
+                    // The epilogue pairs gate and up rows: an even n (1 → 2, 37 → 38).
+                    let n = if act == glu { n + n % 2 } else { n };
                     v.push(spec(m, k, n, dtype, bias, act, 0));
                     i += 1;
                 }
@@ -534,12 +603,17 @@ fn specs() -> Vec<Spec> {
         for (m, act) in [(1usize, none), (1, silu), (3, silu), (1, norm), (3, norm)] {
             v.push(spec(m, 1024, 37, dtype, true, act, 1));
         }
+        for m in [1usize, 3, 9] {
+            v.push(spec(m, 1024, 38, dtype, true, glu, 1));
+        }
     }
     // Decode-sized: 2048 row groups of 2, 4 waves per block, several blocks per SM; the
     // prologues' 4-row groups; and prefills of 2 full tiles and a partial one.
     v.push(spec(1, 2048, 4096, DType::BF16, false, none, 0));
     v.push(spec(1, 2048, 4096, DType::BF16, false, silu, 0));
     v.push(spec(1, 4096, 6144, DType::BF16, false, norm, 0));
+    v.push(spec(1, 1024, 8192, DType::BF16, false, glu, 0));
+    v.push(spec(16, 512, 1000, DType::BF16, true, glu, 0));
     v.push(spec(19, 512, 1000, DType::F16, true, silu, 0));
     v.push(spec(19, 512, 1000, DType::BF16, true, norm, 0));
     v
@@ -553,7 +627,12 @@ mod tests {
     #[test]
     fn names_follow_the_index() {
         for (m, mp) in [(1usize, "gemv"), (2, "gemm4"), (4, "gemm4"), (5, "gemm")] {
-            for (act, pp) in [(Act::None, ""), (Act::Silu, "_silu"), (Act::Norm, "_norm")] {
+            for (act, pp) in [
+                (Act::None, ""),
+                (Act::Silu, "_silu"),
+                (Act::Norm, "_norm"),
+                (Act::Glu, "_glu"),
+            ] {
                 for d in DType::ALL {
                     let i = kernel_index(m, act, d).unwrap();
                     assert_eq!(NAMES[i], format!("{mp}{pp}_{d}"));
@@ -572,6 +651,7 @@ mod tests {
         assert_eq!(def("TP_GEMV_ROWS"), ROWS.to_string());
         assert_eq!(def("TP_GEMV_ROWS_SILU"), ROWS_SILU.to_string());
         assert_eq!(def("TP_GEMV_ROWS_NORM"), ROWS_NORM.to_string());
+        assert_eq!(def("TP_GEMV_ROWS_GLU"), ROWS_GLU.to_string());
         assert_eq!(def("TP_GEMV_TOKENS"), TOKENS.to_string());
         assert_eq!(def("TP_GEMV_TOKENS_SMALL"), TOKENS_SMALL.to_string());
         assert_eq!(def("TP_GEMM_ROWS"), ROWS_TILED.to_string());
@@ -624,7 +704,7 @@ mod tests {
         assert_eq!(
             p,
             Plan {
-                index: 22,
+                index: 28,
                 grid: (2, 128, 1),
                 block: 32
             }
@@ -634,7 +714,7 @@ mod tests {
         assert_eq!(
             p,
             Plan {
-                index: 11,
+                index: 14,
                 grid: (1, 512, 1),
                 block: 64
             }
@@ -646,6 +726,17 @@ mod tests {
             Plan {
                 index: 8,
                 grid: (384, 1, 1),
+                block: 128
+            }
+        );
+        // gate|up with the SiluMul epilogue: 14336 outputs in groups of 2 (each with its 2
+        // gate and 2 up rows): 7168 groups, 1792 blocks of 4 waves.
+        let p = plan(1, 28672, Act::Glu, DType::BF16, sms).unwrap();
+        assert_eq!(
+            p,
+            Plan {
+                index: 11,
+                grid: (1792, 1, 1),
                 block: 128
             }
         );
@@ -719,8 +810,50 @@ mod tests {
                 .collect();
             cpu.run(&c.op(&views))
                 .unwrap_or_else(|e| panic!("{}: {e}", c.name()));
+            if c.s.act == Act::Glu {
+                glu_matches_f64(&c, &cpu, &bufs[2 + usize::from(c.s.bias)]);
+            }
         }
         println!("{count} cases in {:?}", t.elapsed());
+    }
+
+    /// The SiluMul epilogue's meaning on the CPU twin: y[t, j] = silu(gate_j) · up_j with the
+    /// gate rows first and the up rows second, bias added before, in f64 within the twin's
+    /// tolerance of the case's magnitudes (which must cover every element).
+    fn glu_matches_f64(c: &MatmulCase, cpu: &CpuDevice, y: &crate::cpu::CpuBuf) {
+        use crate::Device;
+        let s = &c.s;
+        let h = s.n / 2;
+        let mut raw = vec![0u8; s.m * h * 4];
+        cpu.read(y, 0, &mut raw).unwrap();
+        let got = crate::dtype::decode(DType::F32, &raw);
+        let mags = c
+            .magnitudes(2 + usize::from(s.bias))
+            .expect("glu magnitudes");
+        assert_eq!(mags.len(), got.len());
+        let x = crate::dtype::decode(DType::F32, &c.x);
+        let w = crate::dtype::decode(s.dtype, &c.w);
+        let b = crate::dtype::decode(DType::F32, &c.b);
+        let (x, w) = (&x[s.offset..], &w[s.offset..]);
+        let dot = |t: usize, r: usize| -> f64 {
+            let d: f64 = (0..s.k)
+                .map(|i| x[t * s.k + i] as f64 * w[r * s.k + i] as f64)
+                .sum();
+            d + if s.bias { b[r] as f64 } else { 0.0 }
+        };
+        for t in 0..s.m {
+            for j in 0..h {
+                let (g, u) = (dot(t, j), dot(t, h + j));
+                let want = g / (1.0 + (-g).exp()) * u;
+                let i = t * h + j;
+                assert!(
+                    (got[i] as f64 - want).abs() <= 1e-4 * mags[i] as f64,
+                    "{}: y[{t}, {j}] = {} against {want}",
+                    c.name(),
+                    got[i]
+                );
+            }
+        }
     }
 
     /// The twin cases on the GPU where there is one (the same cases `tprun selftest` runs);

@@ -1,7 +1,9 @@
 // gemv.cu: Matmul, y[m, n] = f(x)[m, k] · w[n, k]ᵀ (+ bias[n]) (kernels/src/ops.rs `Matmul`;
 // CPU twin kernels/src/cpu/ops/matmul.rs and decode.rs). x, y, bias f32; w f32, f16 or bf16;
 // f32 accumulation. f is the identity (Prologue::None, x is [m, k]) or silu(gate) · up
-// (Prologue::SiluMul, x is [m, 2k], each row [gate | up]), computed as x is read.
+// (Prologue::SiluMul, x is [m, 2k], each row [gate | up]), computed as x is read. With the
+// SiluMul epilogue (Epilogue::SiluMul, the fused gate|up projection: w's rows [gate | up]) y is
+// [m, n/2] = silu(gate) · up, computed by the wave that holds both sums (see gemv()).
 //
 // Owns: the matrix–vector product of decode (m = 1) and the token-tiled product of prefill.
 // Also AddNormMatmul (ops.rs; CPU twin decode.rs `add_norm_matmul`): the residual seam of a
@@ -98,6 +100,12 @@
 // plain: the x, delta and norm-weight reads of every wave cost more than the launch they save
 // there, so the model folds only into q|k|v.
 #define TP_GEMV_ROWS_NORM 4      // R with the AddNorm prologue (amortises its two extra loads)
+// With the SiluMul epilogue (gate|up): R rows are R/2 gate rows and the R/2 up rows that pair
+// with them, so the wave that finishes a gate row also holds its up row. Llama-3-8B TP=1
+// decode on an H200 (graph + PDL, two rounds each, 2026-12-04): R = 4 with U · R = 16 gave
+// 237.6–237.8 tok/s, U · R = 8 235.7–235.8, R = 8 (U · R = 16) 230.9–231.0.
+#define TP_GEMV_ROWS_GLU 4
+#define TP_GEMV_UNROLL_GLU 16    // U · R with the epilogue
 
 // kernels/src/cuda/ops_gemv.rs `GemvParams`, passed by value.
 struct GemvParams {
@@ -118,6 +126,8 @@ struct GemvParams {
 #define TP_ACT_NONE 0
 #define TP_ACT_SILU 1
 #define TP_ACT_NORM 2
+// Not a prologue: x is used as it is, and the epilogue writes silu(gate) · up (Epilogue::SiluMul).
+#define TP_ACT_GLU 3
 
 // The input rows of one token tile, and the AddNorm prologue's running state.
 template <int MT>
@@ -309,6 +319,12 @@ TP_DEV void gemv_dot_scalar(const u8* const (&wr)[R], GemvRows<MT>& in, u32 k, u
 template <class W, int R, int MT, int U, int ACT>
 TP_DEV void gemv(const GemvParams& p) {
     static_assert(R * MT <= TP_WAVE, "one writing lane per (row, token)");
+    // The SiluMul epilogue: w's rows are [gate (n/2) | up (n/2)]; a row group is H = R/2 gate
+    // rows j .. j + H and the up rows n/2 + j .. n/2 + j + H, and y has n/2 columns.
+    constexpr bool GLU = ACT == TP_ACT_GLU;
+    static_assert(!GLU || R % 2 == 0, "gate and up rows in pairs");
+    constexpr int H = GLU ? R / 2 : R;  // outputs per row group
+    const u32 nout = GLU ? p.n / 2 : p.n;
     const u32 lane = threadIdx.x % TP_WAVE;
     const u32 waves = blockDim.x / TP_WAVE;
     // m = 1: row groups along grid x. m > 1: token tiles along grid x and row groups along y,
@@ -317,7 +333,7 @@ TP_DEV void gemv(const GemvParams& p) {
     // per tile: a batch of 16 cost two full weight passes).
     const u32 tile0 = MT > 1 ? blockIdx.x : blockIdx.y, tiles_step = MT > 1 ? gridDim.x : gridDim.y;
     const u32 group0 = MT > 1 ? blockIdx.y : blockIdx.x, groups_step = MT > 1 ? gridDim.y : gridDim.x;
-    const u32 groups = (p.n + R - 1) / R;
+    const u32 groups = (nout + H - 1) / H;
     const u32 tiles = (p.m + MT - 1) / MT;
     const u64 xk = ACT == TP_ACT_SILU ? 2ull * p.k : (u64)p.k;
     const float* x = (const float*)p.x;
@@ -340,11 +356,14 @@ TP_DEV void gemv(const GemvParams& p) {
         // g is the same in every lane of a wave, so whole waves take the loops and shuffles.
         for (u32 g = group0 * waves + threadIdx.x / TP_WAVE; g < groups;
              g += groups_step * waves) {
-            // Rows past n repeat the last one, likewise.
+            // Rows past n (past each half with the epilogue) repeat the last one, likewise.
             const u8* wr[R];
 #pragma unroll
-            for (int r = 0; r < R; ++r)
-                wr[r] = w + (u64)gemv_min(g * R + r, p.n - 1) * p.k * W::SIZE;
+            for (int r = 0; r < R; ++r) {
+                const u32 row = GLU ? (r < H ? 0u : nout) + gemv_min(g * H + r % H, nout - 1)
+                                    : gemv_min(g * R + r, p.n - 1);
+                wr[r] = w + (u64)row * p.k * W::SIZE;
+            }
             float acc[R][MT];
 #pragma unroll
             for (int r = 0; r < R; ++r) {
@@ -371,15 +390,35 @@ TP_DEV void gemv(const GemvParams& p) {
             for (int t = 0; t < MT; ++t)
                 rs[t] = ACT == TP_ACT_NORM ? rsqrtf(tp_wave_sum(in.ss[t]) / (float)p.k + p.eps)
                                            : 1.0f;
+            if (GLU) {
+                // Every lane holds every sum after the butterfly; lane r·MT + t writes
+                // y[t, j] = silu(gate_j) · up_j for the group's output j = g·H + r.
 #pragma unroll
-            for (int r = 0; r < R; ++r) {
+                for (int r = 0; r < H; ++r) {
 #pragma unroll
-                for (int t = 0; t < MT; ++t) {
-                    float s = tp_wave_sum(acc[r][t]) * rs[t];
-                    const u32 row = g * R + r, tok = t0 + t;
-                    if (lane == (u32)(r * MT + t) && row < p.n && tok < p.m) {
-                        if (bias) s += bias[row];
-                        y[(u64)tok * p.n + row] = s;
+                    for (int t = 0; t < MT; ++t) {
+                        float a = tp_wave_sum(acc[r][t]), b = tp_wave_sum(acc[r + H][t]);
+                        const u32 j = g * H + r, tok = t0 + t;
+                        if (lane == (u32)(r * MT + t) && j < nout && tok < p.m) {
+                            if (bias) {
+                                a += bias[j];
+                                b += bias[nout + j];
+                            }
+                            y[(u64)tok * nout + j] = gemv_silu_mul(a, b);
+                        }
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+#pragma unroll
+                    for (int t = 0; t < MT; ++t) {
+                        float s = tp_wave_sum(acc[r][t]) * rs[t];
+                        const u32 row = g * R + r, tok = t0 + t;
+                        if (lane == (u32)(r * MT + t) && row < p.n && tok < p.m) {
+                            if (bias) s += bias[row];
+                            y[(u64)tok * p.n + row] = s;
+                        }
                     }
                 }
             }
@@ -387,8 +426,8 @@ TP_DEV void gemv(const GemvParams& p) {
     }
 }
 
-// Kernel names: gemv_* (m = 1), gemm4_* (2 <= m <= 4) and gemm_* (m > 4), plain, _silu and
-// _norm, per weight dtype; the order of kernels/src/cuda/ops_gemv.rs NAMES. The tiled kernels
+// Kernel names: gemv_* (m = 1), gemm4_* (2 <= m <= 4) and gemm_* (m > 4), plain, _silu,
+// _norm and _glu (the SiluMul epilogue), per weight dtype; the order of kernels/src/cuda/ops_gemv.rs NAMES. The tiled kernels
 // take R = 4 rows per wave (each x element loaded serves 4 rows: with R = 2 and one load in
 // flight per row, a tile of 8 cost 4 single-token passes, H200) and U · R = 8 weight loads in
 // flight per lane.
@@ -402,18 +441,24 @@ TP_DEV void gemv(const GemvParams& p) {
                    TP_GEMV_UNROLL_SILU / TP_GEMV_ROWS_SILU, TP_ACT_SILU)                     \
     TP_GEMV_KERNEL(gemv_norm_##d, W, TP_GEMV_ROWS_NORM, 1,                                   \
                    TP_GEMV_UNROLL / TP_GEMV_ROWS_NORM, TP_ACT_NORM)                          \
+    TP_GEMV_KERNEL(gemv_glu_##d, W, TP_GEMV_ROWS_GLU, 1,                                     \
+                   TP_GEMV_UNROLL_GLU / TP_GEMV_ROWS_GLU, TP_ACT_GLU)                        \
     TP_GEMV_KERNEL(gemm4_##d, W, TP_GEMM_ROWS, TP_GEMV_TOKENS_SMALL,                         \
                    TP_GEMM_UNROLL / TP_GEMM_ROWS, TP_ACT_NONE)                               \
     TP_GEMV_KERNEL(gemm4_silu_##d, W, TP_GEMM_ROWS, TP_GEMV_TOKENS_SMALL,                    \
                    TP_GEMM_UNROLL / TP_GEMM_ROWS, TP_ACT_SILU)                               \
     TP_GEMV_KERNEL(gemm4_norm_##d, W, TP_GEMM_ROWS, TP_GEMV_TOKENS_SMALL,                    \
                    TP_GEMM_UNROLL / TP_GEMM_ROWS, TP_ACT_NORM)                               \
+    TP_GEMV_KERNEL(gemm4_glu_##d, W, TP_GEMM_ROWS, TP_GEMV_TOKENS_SMALL,                     \
+                   TP_GEMM_UNROLL / TP_GEMM_ROWS, TP_ACT_GLU)                                \
     TP_GEMV_KERNEL(gemm_##d, W, TP_GEMM_ROWS, TP_GEMV_TOKENS, TP_GEMM_UNROLL / TP_GEMM_ROWS,  \
                    TP_ACT_NONE)                                                              \
     TP_GEMV_KERNEL(gemm_silu_##d, W, TP_GEMM_ROWS, TP_GEMV_TOKENS,                           \
                    TP_GEMM_UNROLL / TP_GEMM_ROWS, TP_ACT_SILU)                               \
     TP_GEMV_KERNEL(gemm_norm_##d, W, TP_GEMM_ROWS, TP_GEMV_TOKENS,                           \
-                   TP_GEMM_UNROLL / TP_GEMM_ROWS, TP_ACT_NORM)
+                   TP_GEMM_UNROLL / TP_GEMM_ROWS, TP_ACT_NORM)                               \
+    TP_GEMV_KERNEL(gemm_glu_##d, W, TP_GEMM_ROWS, TP_GEMV_TOKENS,                            \
+                   TP_GEMM_UNROLL / TP_GEMM_ROWS, TP_ACT_GLU)
 
 TP_GEMV_DTYPE(f32, F32)
 TP_GEMV_DTYPE(f16, GemvF16)

@@ -34,7 +34,7 @@ use std::sync::Arc;
 
 use tprun_kernels::comm::AddNorm;
 use tprun_kernels::dtype::{decode_u32, encode_u32};
-use tprun_kernels::ops::{self, Prologue, SampleParams, TOPK_MAX};
+use tprun_kernels::ops::{self, Epilogue, Prologue, SampleParams, TOPK_MAX};
 use tprun_kernels::{DType, Device, Op, OpLimits, View};
 
 use super::config::LayerKind;
@@ -1288,7 +1288,7 @@ impl<D: Device> Model<D> {
         let xs = [x, f32v(&s.x2, m * h)];
         let mut cur = 0; // xs[cur] holds the residual stream
                          // `next_n`: the output width of the projection that reads xb next, or
-                         // `None` where it cannot fold (an int4 gate|up: no AddNormMatmul).
+                         // `None` where it cannot fold (gate|up: AddNormMatmul has no SiluMul epilogue).
         let seam = |comm: &mut dyn Collectives<D>, next_norm, cur: usize, next_n: Option<usize>| {
             if next_n.is_some_and(folds) {
                 return Ok::<_, RankError>(Some(next_norm));
@@ -1326,6 +1326,7 @@ impl<D: Device> Model<D> {
                     k: h,
                     n,
                     prologue: Prologue::None,
+                    epilogue: Epilogue::None,
                 }))?,
                 Some(norm_w) => {
                     dev.run(&Op::AddNormMatmul(ops::AddNormMatmul {
@@ -1397,18 +1398,25 @@ impl<D: Device> Model<D> {
                 (Mixer::Delta(dw), LayerCache::Delta(st)) => self.delta(dw, st, m)?,
                 _ => unreachable!("each layer's cache is allocated for its mixer"),
             }
-            // x = x + allreduce(o); xb = post_attention_layernorm(x)
-            let gate_up_n = lw.w_gate_up.dense().map(|_| 2 * ni);
-            pending = seam(comm, lw.ffn_norm.view(), cur, gate_up_n)?;
-            // hb = [gate_proj | up_proj](xb)   (int4: the seam above was settled, not folded)
-            let hb = f32v(&s.hb, m * 2 * ni);
-            match lw.w_gate_up.dense() {
-                Some(wt) => project(pending.take(), &mut cur, wt.view(), None, hb, 2 * ni)?,
-                None => self.matmul(xb, &lw.w_gate_up, hb, m, Prologue::None)?,
-            }
-            // x = x + allreduce(down_proj(silu(gate) · up)); xb = the next layer's
-            // input_layernorm(x), or the final norm after the last layer.
-            self.matmul(hb, &lw.w_down, o, m, Prologue::SiluMul)?;
+            // x = x + allreduce(o); xb = post_attention_layernorm(x), settled here: gate|up
+            // is too wide for the fold to pay, and takes the SiluMul epilogue instead.
+            seam(comm, lw.ffn_norm.view(), cur, None)?; // next_n None: never pending
+                                                        // hb = silu(gate_proj(xb)) · up_proj(xb). Dense: in gate|up's epilogue, so the
+                                                        // activation is computed once per element (not by every wave of down_proj that
+                                                        // reads it) and down_proj reads an input half as wide. Int4: gate|up writes
+                                                        // [gate | up] and down_proj's prologue activates it.
+            let (hb, down_in) = if lw.w_gate_up.dense().is_some() {
+                let hb = f32v(&s.hb, m * ni);
+                self.matmul(xb, &lw.w_gate_up, hb, m, Epilogue::SiluMul)?;
+                (hb, Prologue::None)
+            } else {
+                let hb = f32v(&s.hb, m * 2 * ni);
+                self.matmul(xb, &lw.w_gate_up, hb, m, Epilogue::None)?;
+                (hb, Prologue::SiluMul)
+            };
+            // x = x + allreduce(down_proj(hb)); xb = the next layer's input_layernorm(x), or
+            // the final norm after the last layer.
+            self.matmul_in(hb, &lw.w_down, o, m, down_in)?;
             let next = if l + 1 < nl {
                 w.layers[l + 1].attn_norm.view()
             } else {
@@ -1439,6 +1447,7 @@ impl<D: Device> Model<D> {
                 k: h,
                 n: vs,
                 prologue: Prologue::None,
+                epilogue: Epilogue::None,
             }),
             Some(norm_w) => Op::AddNormMatmul(ops::AddNormMatmul {
                 x: xs[cur].slice(first * h, lm * h),
@@ -1460,7 +1469,20 @@ impl<D: Device> Model<D> {
 
     /// `y = f(x) · wᵀ` for `m` rows of a dense or int4 weight (`Op::Matmul` or
     /// `Op::MatmulInt4`); `f` as `prologue` says, the shapes the weight's.
+    /// `y = w · x` with an epilogue (a plain input).
     fn matmul(
+        &self,
+        x: View<'_, D::Buf>,
+        w: &Matrix<D::Buf>,
+        y: View<'_, D::Buf>,
+        m: usize,
+        epilogue: Epilogue,
+    ) -> Result<(), RankError> {
+        self.product(x, w, y, m, Prologue::None, epilogue)
+    }
+
+    /// `y = w · f(x)` with a prologue (no epilogue).
+    fn matmul_in(
         &self,
         x: View<'_, D::Buf>,
         w: &Matrix<D::Buf>,
@@ -1468,9 +1490,26 @@ impl<D: Device> Model<D> {
         m: usize,
         prologue: Prologue,
     ) -> Result<(), RankError> {
+        self.product(x, w, y, m, prologue, Epilogue::None)
+    }
+
+    /// One product over a dense or int4 matrix; int4 takes no epilogue (the callers ask for
+    /// none there).
+    fn product(
+        &self,
+        x: View<'_, D::Buf>,
+        w: &Matrix<D::Buf>,
+        y: View<'_, D::Buf>,
+        m: usize,
+        prologue: Prologue,
+        epilogue: Epilogue,
+    ) -> Result<(), RankError> {
         let op = match w {
             Matrix::Dense(t) => {
-                let n = y.len / m;
+                let n = match epilogue {
+                    Epilogue::None => y.len / m,
+                    Epilogue::SiluMul => 2 * y.len / m,
+                };
                 Op::Matmul(ops::Matmul {
                     x,
                     w: t.view(),
@@ -1480,6 +1519,7 @@ impl<D: Device> Model<D> {
                     k: t.len / n,
                     n,
                     prologue,
+                    epilogue,
                 })
             }
             Matrix::Int4(q) => {
@@ -1556,6 +1596,7 @@ impl<D: Device> Model<D> {
                 k,
                 n: b,
                 prologue: Prologue::None,
+                epilogue: Epilogue::None,
             }))?;
         }
         Ok(())
@@ -1653,6 +1694,7 @@ impl<D: Device> Model<D> {
             k: nq,
             n: h,
             prologue: Prologue::None,
+            epilogue: Epilogue::None,
         }))?;
         Ok(())
     }
@@ -1724,6 +1766,7 @@ impl<D: Device> Model<D> {
             k: vd,
             n: h,
             prologue: Prologue::None,
+            epilogue: Epilogue::None,
         }))?;
         Ok(())
     }

@@ -222,6 +222,7 @@ mod tests {
                         k,
                         n,
                         prologue: crate::Prologue::None,
+                        epilogue: crate::ops::Epilogue::None,
                     }))
                     .unwrap();
                     let err = max_err(&download(&dev, &by, DType::F32, m * n), &want);
@@ -261,6 +262,7 @@ mod consistency {
                     k,
                     n,
                     prologue: crate::Prologue::None,
+                    epilogue: crate::ops::Epilogue::None,
                 }))
                 .unwrap();
                 download(&dev, &by, DType::F32, m * n)
@@ -331,6 +333,7 @@ mod bench {
                         k,
                         n,
                         prologue: crate::Prologue::None,
+                        epilogue: crate::ops::Epilogue::None,
                     });
                     dev.run(&op).unwrap();
                     let reps = 20;
