@@ -276,26 +276,58 @@ struct Step<B> {
 }
 
 impl<B> Step<B> {
+    // The layout, in words: the only place it is spelled out.
+    const IDS: usize = 2;
+    fn positions_at(&self) -> usize {
+        Self::IDS + self.chunk
+    }
+    fn slots_at(&self) -> usize {
+        Self::IDS + 2 * self.chunk
+    }
+    fn pairs_at(&self) -> usize {
+        Self::IDS + 3 * self.chunk
+    }
+
+    fn words(&self, word: usize, len: usize) -> View<'_, B> {
+        View::new(&self.buf, 4 * word, len, DType::U32)
+    }
     fn token(&self) -> View<'_, B> {
-        View::new(&self.buf, 0, 1, DType::U32)
+        self.words(0, 1)
     }
     fn position(&self) -> View<'_, B> {
-        View::new(&self.buf, 4, 1, DType::U32)
+        self.words(1, 1)
     }
     fn state(&self) -> View<'_, B> {
-        View::new(&self.buf, 0, 2, DType::U32)
+        self.words(0, 2)
     }
     fn ids(&self, m: usize) -> View<'_, B> {
-        View::new(&self.buf, 8, m, DType::U32)
+        self.words(Self::IDS, m)
     }
     fn positions(&self, m: usize) -> View<'_, B> {
-        View::new(&self.buf, 8 + 4 * self.chunk, m, DType::U32)
+        self.words(self.positions_at(), m)
     }
     fn slot_ids(&self, m: usize) -> View<'_, B> {
-        View::new(&self.buf, 8 + 8 * self.chunk, m, DType::U32)
+        self.words(self.slots_at(), m)
     }
     fn pair(&self, r: usize) -> View<'_, B> {
-        View::new(&self.buf, 8 + 12 * self.chunk + 8 * r, 2, DType::U32)
+        self.words(self.pairs_at() + 2 * r, 2)
+    }
+
+    /// The host words that set this state: the single-token `state` (token, position), and
+    /// rows of (id, position, slot) (at most `chunk`), the first `paired` of which are also
+    /// the sampler's (token, position) pairs. Written at word 0.
+    fn encode(&self, state: [u32; 2], rows: &[(u32, u32, u32)], paired: usize) -> Vec<u8> {
+        let mut w = vec![0u32; self.pairs_at() + 2 * paired];
+        w[..2].copy_from_slice(&state);
+        for (i, &(t, p, slot)) in rows.iter().enumerate() {
+            w[Self::IDS + i] = t;
+            w[self.positions_at() + i] = p;
+            w[self.slots_at() + i] = slot;
+            if i < paired {
+                w[self.pairs_at() + 2 * i..][..2].copy_from_slice(&[t, p]);
+            }
+        }
+        encode_u32(&w)
     }
 }
 
@@ -739,13 +771,14 @@ impl<D: Device> Model<D> {
         let chunks: Vec<&[u32]> = tokens.chunks(self.chunk).collect();
         for (i, c) in chunks.iter().enumerate() {
             let m = c.len();
-            let pos: Vec<u32> = (self.len..self.len + m).map(|p| p as u32).collect();
-            let (last_tok, last_pos) = (c[m - 1], pos[m - 1]);
-            let mut words = vec![last_tok, last_pos];
-            words.resize(2 + 2 * self.chunk, 0);
-            words[2..2 + m].copy_from_slice(c);
-            words[2 + self.chunk..2 + self.chunk + m].copy_from_slice(&pos);
-            self.dev.write(&self.step.buf, 0, &encode_u32(&words))?;
+            let rows: Vec<(u32, u32, u32)> = c
+                .iter()
+                .enumerate()
+                .map(|(i, &t)| (t, (self.len + i) as u32, slot as u32))
+                .collect();
+            let (last_tok, last_pos, _) = rows[m - 1];
+            let words = self.step.encode([last_tok, last_pos], &rows, 0);
+            self.dev.write(&self.step.buf, 0, &words)?;
             let step = &self.step;
             let rows = Rows {
                 m,
@@ -1077,17 +1110,12 @@ impl<D: Device> Model<D> {
                     .map(|(i, &t)| (t, i, st.slot)),
             );
         }
-        let c = self.chunk;
-        let mut words = vec![0u32; 2 + 3 * c + 2 * (n + p)];
-        for (i, &(t, pos, slot)) in order.iter().enumerate() {
-            words[2 + i] = t;
-            words[2 + c + i] = pos as u32;
-            words[2 + 2 * c + i] = slot as u32;
-            if i < n + p {
-                words[2 + 3 * c + 2 * i..][..2].copy_from_slice(&[t, pos as u32]);
-            }
-        }
-        self.dev.write(&self.step.buf, 0, &encode_u32(&words))?;
+        let step_rows: Vec<(u32, u32, u32)> = order
+            .iter()
+            .map(|&(t, pos, slot)| (t, pos as u32, slot as u32))
+            .collect();
+        let words = self.step.encode([0, 0], &step_rows, n + p);
+        self.dev.write(&self.step.buf, 0, &words)?;
         let step = &self.step;
         let fwd = Rows {
             m,
