@@ -509,6 +509,73 @@ impl ControlBlock {
         let s = self.shared();
         (1..self.world).all(|r| s.slots[r].plan_ack.load(Ordering::Acquire) >= seq)
     }
+
+    /// Rank 0: publishes the plan of step `seq` once every rank has read step `seq - 1`'s
+    /// (one plan at a time), waiting at most `timeout` (then the ranks that have not read it
+    /// are named, as at a barrier) or until the job is aborted.
+    pub fn publish_plan_when_read(
+        &self,
+        seq: u64,
+        entries: &[u64],
+        timeout: Duration,
+    ) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut naps = 0u32;
+        while !self.plan_read_by_all(seq - 1) {
+            if let Some((reason, who)) = self.aborted() {
+                return Err(IpcError::Aborted(describe_abort(reason, who)));
+            }
+            if Instant::now() > deadline {
+                let s = self.shared();
+                let missing = (1..self.world)
+                    .filter(|&r| s.slots[r].plan_ack.load(Ordering::Acquire) < seq - 1)
+                    .collect();
+                return Err(IpcError::BarrierTimeout {
+                    waited: timeout,
+                    phase: format!("{} (reading step {}'s plan)", self.phase_name(0), seq - 1),
+                    missing,
+                });
+            }
+            plan_nap(&mut naps);
+        }
+        self.publish_plan(seq, entries);
+        Ok(())
+    }
+
+    /// Every rank but 0: the plan of step `seq`, waiting as long as it takes (an idle server
+    /// publishes none) but not past an abort. Beats `rank`'s heartbeat while it waits, and
+    /// calls `idle` once when the wait has outlasted a step's (then the rank is idle, not
+    /// stepping).
+    pub fn wait_plan(&self, rank: usize, seq: u64, mut idle: impl FnMut()) -> Result<Vec<u64>> {
+        let mut naps = 0u32;
+        let mut beat = Instant::now();
+        loop {
+            if let Some(p) = self.read_plan(rank, seq) {
+                return Ok(p);
+            }
+            if let Some((reason, who)) = self.aborted() {
+                return Err(IpcError::Aborted(describe_abort(reason, who)));
+            }
+            if naps == 1000 {
+                idle();
+            }
+            if beat.elapsed() > Duration::from_millis(250) {
+                self.beat(rank);
+                beat = Instant::now();
+            }
+            plan_nap(&mut naps);
+        }
+    }
+}
+
+/// A plan wait's pause: spinning at first (a step's plan comes within microseconds), then
+/// sleeping longer and longer, up to 1 ms (an idle server).
+fn plan_nap(naps: &mut u32) {
+    *naps = naps.saturating_add(1);
+    match *naps {
+        0..=200 => std::hint::spin_loop(),
+        n => std::thread::sleep(Duration::from_micros((n as u64 / 8).min(1000))),
+    }
 }
 
 /// "rank 2 failed", "a timeout", …: for error messages of ranks that see the abort.
@@ -638,6 +705,49 @@ mod tests {
             peak: 3,
         };
         assert_eq!(cb.batch_stats(), want);
+    }
+
+    /// The waiting forms: rank 0 names the rank that has not read the last plan when its
+    /// wait times out, a waiting rank gets the plan once published (calling `idle` once
+    /// while it waits long), and an abort ends both waits.
+    #[test]
+    fn plan_waits_end_on_publication_timeout_or_abort() {
+        let token = [9u8; 16];
+        let cb = ControlBlock::create(3, &token).unwrap();
+        let other = open_clone(&cb, &token);
+        cb.publish_plan_when_read(1, &[4], Duration::from_millis(10))
+            .unwrap();
+        assert_eq!(other.read_plan(1, 1), Some(vec![4]));
+        match cb.publish_plan_when_read(2, &[5], Duration::from_millis(20)) {
+            Err(IpcError::BarrierTimeout { missing, .. }) => assert_eq!(missing, vec![2]),
+            r => panic!("{r:?}"),
+        }
+        assert_eq!(
+            other.read_plan(2, 2),
+            None,
+            "not published after the timeout"
+        );
+        assert_eq!(other.read_plan(2, 1), Some(vec![4]));
+        let waiter = std::thread::spawn(move || {
+            let mut idles = 0;
+            let plan = other.wait_plan(1, 2, || idles += 1);
+            (plan.unwrap(), idles, other)
+        });
+        // Long past the ~60 ms of spins and naps after which the waiter calls itself idle.
+        std::thread::sleep(Duration::from_millis(1000));
+        cb.publish_plan_when_read(2, &[6, 7], Duration::from_secs(5))
+            .unwrap();
+        let (plan, idles, other) = waiter.join().unwrap();
+        assert_eq!((plan, idles), (vec![6, 7], 1));
+        cb.abort(AbortReason::RankFailed, Some(2));
+        assert!(matches!(
+            other.wait_plan(2, 3, || {}),
+            Err(IpcError::Aborted(_))
+        ));
+        assert!(matches!(
+            cb.publish_plan_when_read(3, &[], Duration::from_secs(5)),
+            Err(IpcError::Aborted(_))
+        ));
     }
 
     #[test]

@@ -14,7 +14,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tprun_ipc::control::{describe_abort, PLAN_MAX};
 use tprun_ipc::{Conn, IpcError, Msg};
@@ -261,55 +261,16 @@ fn plan_step(
     }
     plan.extend(admits);
     // One plan at a time: every rank must have read the last before it is overwritten.
-    let deadline = Instant::now() + timeout;
-    let mut naps = 0u32;
-    while !ctx.control.plan_read_by_all(step - 1) {
-        if let Some((reason, who)) = ctx.control.aborted() {
-            return Err(IpcError::Aborted(describe_abort(reason, who)).into());
-        }
-        if Instant::now() > deadline {
-            return Err(RankError::Other(format!(
-                "rank 0 waited {timeout:?} for the other ranks to read step {}'s plan",
-                step - 1
-            )));
-        }
-        nap(&mut naps);
-    }
-    ctx.control.publish_plan(step, &plan);
+    ctx.control.publish_plan_when_read(step, &plan, timeout)?;
     Ok(plan)
 }
 
 /// Every rank but 0: waits for rank 0's plan of step `step` (as long as the server is idle;
 /// an abort ends the wait).
 fn wait_plan(ctx: &RankCtx, step: u64) -> Result<Vec<u64>, RankError> {
-    let mut naps = 0u32;
-    let mut beat = Instant::now();
-    loop {
-        if let Some(p) = ctx.control.read_plan(ctx.rank, step) {
-            return Ok(p);
-        }
-        if let Some((reason, who)) = ctx.control.aborted() {
-            return Err(IpcError::Aborted(describe_abort(reason, who)).into());
-        }
-        if naps == 1000 {
-            ctx.enter(Phase::Idle);
-        }
-        if beat.elapsed() > Duration::from_millis(250) {
-            ctx.control.beat(ctx.rank);
-            beat = Instant::now();
-        }
-        nap(&mut naps);
-    }
-}
-
-/// A wait's pause: spinning at first (a step's plan comes within microseconds), then
-/// sleeping longer and longer, up to 1 ms (an idle server).
-fn nap(naps: &mut u32) {
-    *naps = naps.saturating_add(1);
-    match *naps {
-        0..=200 => std::hint::spin_loop(),
-        n => std::thread::sleep(Duration::from_micros((n as u64 / 8).min(1000))),
-    }
+    Ok(ctx
+        .control
+        .wait_plan(ctx.rank, step, || ctx.enter(Phase::Idle))?)
 }
 
 /// The coordinator's next `Msg::Work`, waiting at most `wait` (`None`: until it comes). The
