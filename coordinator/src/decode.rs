@@ -10,7 +10,7 @@ use std::time::Duration;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tprun_kernels::DType;
-use tprun_rank::job::{DecodeSpec, ModelSource, Report, Task};
+use tprun_rank::job::{DecodeSpec, ModelSource, ModelSpec, Report, Task};
 use tprun_rank::model::forward::{LoadOptions, DEFAULT_MAX_SEQ};
 use tprun_rank::model::gptq::ZeroFormat;
 use tprun_rank::model::synth::config_for;
@@ -86,6 +86,45 @@ impl ModelInput {
             tok,
             name: path,
         })
+    }
+
+    /// What the ranks are told to load, and the context length they will size the KV cache
+    /// for, after checking that `world` ranks can split the model. `kv_dtype` None (auto):
+    /// bf16 for 16-bit weights, f32 for f32 ones.
+    pub(crate) fn spec(
+        &self,
+        dtype: Option<DType>,
+        kv_dtype: Option<DType>,
+        max_seq: Option<usize>,
+        graph: bool,
+        world: usize,
+    ) -> Result<(ModelSpec, usize), JobError> {
+        for r in 0..world {
+            ShardPlan::new(&self.cfg, r, world).map_err(bad)?;
+        }
+        // The ranks size their KV cache the same way (LoadOptions::context).
+        let context = LoadOptions {
+            max_seq,
+            ..LoadOptions::default()
+        }
+        .context(&self.cfg);
+        let weights = match dtype {
+            Some(d) => d,
+            None => self.stored_dtype()?,
+        };
+        let kv_dtype = kv_dtype.unwrap_or(if weights == DType::F32 {
+            DType::F32
+        } else {
+            DType::BF16
+        });
+        let spec = ModelSpec {
+            source: self.source.clone(),
+            dtype,
+            kv_dtype,
+            max_seq,
+            graph,
+        };
+        Ok((spec, context))
     }
 
     /// The dtype its weights are stored in.
@@ -225,9 +264,13 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
     let kv_dtype = dtype_arg("--kv-dtype", &args.kv_dtype, &["auto"]).map_err(usage)?;
     let model = ModelInput::open(args.model.as_deref())?;
     let (cfg, name) = (model.cfg.clone(), model.name.clone());
-    for r in 0..settings.world {
-        ShardPlan::new(&cfg, r, settings.world).map_err(bad)?;
-    }
+    let (model_spec, context) = model.spec(
+        dtype,
+        kv_dtype,
+        args.max_seq,
+        args.graph == "on",
+        settings.world,
+    )?;
     let text = match (&args.prompt, &args.prompt_file) {
         (Some(p), _) => p.clone(),
         (None, Some(f)) => std::fs::read_to_string(f)
@@ -235,12 +278,6 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
         (None, None) => DEFAULT_PROMPT.to_string(),
     };
     let prompt = model.tok.encode(&text).map_err(bad)?;
-    // The ranks size their KV cache the same way (LoadOptions::context).
-    let context = LoadOptions {
-        max_seq: args.max_seq,
-        ..LoadOptions::default()
-    }
-    .context(&cfg);
     if prompt.is_empty() {
         return Err(bad("the prompt encodes to no tokens"));
     }
@@ -277,16 +314,7 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
         s.enable_steady_tick(Duration::from_millis(100));
         s
     });
-    // auto: 16-bit weights get a bf16 cache, f32 weights an f32 one.
-    let weights_dtype = match dtype {
-        Some(d) => d,
-        None => model.stored_dtype()?,
-    };
-    let kv_dtype = kv_dtype.unwrap_or(if weights_dtype == DType::F32 {
-        DType::F32
-    } else {
-        DType::BF16
-    });
+    let kv_dtype = model_spec.kv_dtype;
     let dump_logits = match &args.dump_logits {
         None => None,
         Some(p) => Some(
@@ -296,10 +324,7 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
         ),
     };
     let spec = DecodeSpec {
-        model: model.source,
-        dtype,
-        kv_dtype,
-        max_seq: args.max_seq,
+        model: model_spec,
         dump_logits,
         // What the context leaves room for, at most: the ranks size their step records by it.
         max_new_tokens: GenerateOptions {
@@ -319,7 +344,6 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
         seed: args.seed,
         // A measurement knob (README), read here once so that every rank agrees.
         no_allreduce: std::env::var("TPRUN_BENCH_NO_ALLREDUCE").is_ok_and(|v| v == "1"),
-        graph: args.graph == "on",
         profile: args.profile,
     };
     let mut st = Streamer {

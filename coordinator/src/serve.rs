@@ -33,10 +33,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tprun_ipc::{ControlBlock, Msg};
 use tprun_kernels::ops::TOPK_MAX;
-use tprun_kernels::DType;
 use tprun_rank::job::{self, GenRequest, Report, ServeSpec, Task, Work};
-use tprun_rank::model::forward::LoadOptions;
-use tprun_rank::model::ShardPlan;
 
 use crate::cli::ServeArgs;
 use crate::decode::ModelInput;
@@ -152,23 +149,13 @@ pub fn run(settings: &Settings, args: &ServeArgs) -> Result<i32, JobError> {
         (_, true) => 1,
         (b, false) => b.unwrap_or(DEFAULT_MAX_BATCH),
     };
-    for r in 0..settings.world {
-        ShardPlan::new(&model.cfg, r, settings.world).map_err(|e| bad(e.to_string()))?;
-    }
-    let context = LoadOptions {
-        max_seq: args.max_seq,
-        ..LoadOptions::default()
-    }
-    .context(&model.cfg);
-    let weights_dtype = match dtype {
-        Some(d) => d,
-        None => model.stored_dtype()?,
-    };
-    let kv_dtype = kv_dtype.unwrap_or(if weights_dtype == DType::F32 {
-        DType::F32
-    } else {
-        DType::BF16
-    });
+    let (model_spec, context) = model.spec(
+        dtype,
+        kv_dtype,
+        args.max_seq,
+        args.graph == "on",
+        settings.world,
+    )?;
     let chat = args
         .model
         .as_deref()
@@ -234,11 +221,7 @@ pub fn run(settings: &Settings, args: &ServeArgs) -> Result<i32, JobError> {
         );
     }
     let spec = ServeSpec {
-        model: model.source,
-        dtype,
-        kv_dtype,
-        max_seq: args.max_seq,
-        graph: args.graph == "on",
+        model: model_spec,
         max_batch,
     };
     let mut engine = Engine {

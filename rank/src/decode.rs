@@ -10,7 +10,7 @@ use tprun_ipc::{Conn, Msg};
 use tprun_kernels::Device;
 
 use crate::comm::Communicator;
-use crate::job::{self, Backend, DecodeSpec, ModelSource, Report};
+use crate::job::{self, Backend, DecodeSpec, ModelSource, ModelSpec, Report};
 use crate::model::safetensors::Checkpoint;
 use crate::model::{
     generate, synth, GenerateOptions, LoadOptions, Model, ModelConfig, SamplerConfig,
@@ -28,32 +28,12 @@ pub fn run<D: Device>(
     timeout: Duration,
     spin: u32,
 ) -> Result<(), RankError> {
-    let mut model = load(
-        ctx,
-        conn,
-        dev.clone(),
-        &spec.model,
-        &LoadOptions {
-            dtype: spec.dtype,
-            kv_dtype: spec.kv_dtype,
-            max_seq: spec.max_seq,
-            ..LoadOptions::default()
-        },
-    )?;
+    let profiled = dev.clone();
+    let (mut model, mut comm) = start(ctx, conn, dev, backend, &spec.model, 1, timeout, spin)?;
     // Measurement only (wrong tokens at world > 1): the step without its allreduces.
     model.set_no_allreduce(spec.no_allreduce);
     // Profiling times each op, so the steps are launched one by one.
-    model.set_graph(spec.graph && !spec.profile);
-    let profiled = dev.clone();
-    let mut comm = Communicator::establish(
-        dev,
-        conn,
-        ctx,
-        backend,
-        model.max_allreduce_bytes(),
-        timeout,
-        spin,
-    )?;
+    model.set_graph(spec.model.graph && !spec.profile);
     ctx.enter(Phase::Prefill);
     let sampler = SamplerConfig {
         temperature: spec.temperature,
@@ -138,6 +118,40 @@ pub fn run<D: Device>(
         )?;
     }
     Ok(())
+}
+
+/// The start of a decode or serve job: this rank's shard of the model loaded ([`load`], with
+/// `slots` sequences' KV cache; graphs as the spec says), then the communicator established
+/// with room for the model's largest allreduce.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn start<D: Device>(
+    ctx: &RankCtx,
+    conn: &Conn,
+    dev: Arc<D>,
+    backend: Backend,
+    spec: &ModelSpec,
+    slots: usize,
+    timeout: Duration,
+    spin: u32,
+) -> Result<(Model<D>, Communicator<D>), RankError> {
+    let mut model = load(
+        ctx,
+        conn,
+        dev.clone(),
+        &spec.source,
+        &spec.load_options(slots),
+    )?;
+    model.set_graph(spec.graph);
+    let comm = Communicator::establish(
+        dev,
+        conn,
+        ctx,
+        backend,
+        model.max_allreduce_bytes(),
+        timeout,
+        spin,
+    )?;
+    Ok((model, comm))
 }
 
 /// Loads this rank's shard of `source` (rank 0 reports the progress and, at the end, what it

@@ -259,10 +259,13 @@ mod tests {
             task,
         };
         let decode = Task::Decode(DecodeSpec {
-            model: job::ModelSource::Dir("/m".into()),
-            dtype: None,
-            kv_dtype: DType::BF16,
-            max_seq: Some(64),
+            model: job::ModelSpec {
+                source: job::ModelSource::Dir("/m".into()),
+                dtype: None,
+                kv_dtype: DType::BF16,
+                max_seq: Some(64),
+                graph: false,
+            },
             dump_logits: None,
             prompt: vec![1, 2, 3],
             max_new_tokens: 8,
@@ -272,7 +275,6 @@ mod tests {
             top_p: 0.95,
             seed: 0,
             no_allreduce: false,
-            graph: false,
             profile: false,
         });
         let bench = Task::Bench(BenchSpec {

@@ -105,11 +105,7 @@ pub enum Task {
 /// come with each request).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ServeSpec {
-    pub model: ModelSource,
-    pub dtype: Option<DType>,
-    pub kv_dtype: DType,
-    pub max_seq: Option<usize>,
-    pub graph: bool,
+    pub model: ModelSpec,
     /// Most sequences decoding together (the KV cache's slots).
     pub max_batch: usize,
 }
@@ -182,13 +178,7 @@ pub struct SelftestSpec {
 /// settings, identical on every rank so that every rank picks the same tokens.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DecodeSpec {
-    pub model: ModelSource,
-    /// Matrix dtype on the device; `None` = as stored in the checkpoint.
-    pub dtype: Option<DType>,
-    /// KV-cache dtype.
-    pub kv_dtype: DType,
-    /// KV-cache length in tokens (`None`: the model's, capped at 4096).
-    pub max_seq: Option<usize>,
+    pub model: ModelSpec,
     /// Write each step's full-vocab logits (f32, little endian, `[steps, vocab]`) to this
     /// file (rank 0), for comparisons with a reference; steps then run one at a time.
     pub dump_logits: Option<String>,
@@ -204,11 +194,36 @@ pub struct DecodeSpec {
     /// time what they cost per token; the tokens are wrong at world > 1. Every rank must
     /// agree, or the ones that reduce wait for the ones that do not.
     pub no_allreduce: bool,
-    /// Replay the single-token step as one captured device graph (`--graph on`).
-    pub graph: bool,
     /// Time every op of the decode steps on the device (`--profile`; steps launched one by
     /// one) and report the totals per op.
     pub profile: bool,
+}
+
+/// The model of a decode or serve job, and how every rank holds it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelSpec {
+    pub source: ModelSource,
+    /// Matrix dtype on the device; `None` = as stored in the checkpoint.
+    pub dtype: Option<DType>,
+    /// KV-cache dtype.
+    pub kv_dtype: DType,
+    /// KV-cache length in tokens (`None`: the model's, capped at 4096).
+    pub max_seq: Option<usize>,
+    /// Replay the single-token step as one captured device graph (`--graph on`).
+    pub graph: bool,
+}
+
+impl ModelSpec {
+    /// How a rank loads it, with `slots` sequences' KV cache.
+    pub fn load_options(&self, slots: usize) -> crate::model::LoadOptions {
+        crate::model::LoadOptions {
+            dtype: self.dtype,
+            kv_dtype: self.kv_dtype,
+            max_seq: self.max_seq,
+            slots,
+            ..crate::model::LoadOptions::default()
+        }
+    }
 }
 
 /// Where a decode job's weights come from.

@@ -22,9 +22,9 @@ use tprun_kernels::ops::SampleParams;
 use tprun_kernels::Device;
 
 use crate::comm::Communicator;
-use crate::decode::{load, report};
+use crate::decode::{report, start};
 use crate::job::{self, Backend, GenRequest, Report, ServeSpec, Work};
-use crate::model::{BatchRow, BatchStart, GenerateOptions, LoadOptions, Model, SamplerConfig};
+use crate::model::{BatchRow, BatchStart, GenerateOptions, Model, SamplerConfig};
 use crate::run::RankCtx;
 use crate::{Phase, RankError};
 
@@ -75,29 +75,8 @@ pub fn run<D: Device>(
     timeout: Duration,
     spin: u32,
 ) -> Result<(), RankError> {
-    let mut model = load(
-        ctx,
-        conn,
-        dev.clone(),
-        &spec.model,
-        &LoadOptions {
-            dtype: spec.dtype,
-            kv_dtype: spec.kv_dtype,
-            max_seq: spec.max_seq,
-            slots: spec.max_batch.max(1),
-            ..LoadOptions::default()
-        },
-    )?;
-    model.set_graph(spec.graph);
-    let mut comm = Communicator::establish(
-        dev,
-        conn,
-        ctx,
-        backend,
-        model.max_allreduce_bytes(),
-        timeout,
-        spin,
-    )?;
+    let slots = spec.max_batch.max(1);
+    let (mut model, mut comm) = start(ctx, conn, dev, backend, &spec.model, slots, timeout, spin)?;
     if ctx.rank == 0 {
         report(conn, &Report::Ready)?;
     }
