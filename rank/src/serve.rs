@@ -150,8 +150,8 @@ pub fn run<D: Device>(
         let tokens = model.step_batch(&mut comm, &rows, &starts)?;
         let stepped = rows.len() + starts.len();
         if ctx.rank == 0 {
-            // Whoever sees a token sees the batch that made it.
-            ctx.control.record_batch(0, stepped);
+            // Whoever sees a token sees the step that made it counted, and its batch.
+            ctx.control.record_batch(stepped, stepped);
         }
         let (mut i, mut done) = (0, Vec::new());
         for &t in &tokens[..rows.len()] {
@@ -169,7 +169,7 @@ pub fn run<D: Device>(
         }
         // The statistics first: whoever hears of an end sees the batch without it.
         if ctx.rank == 0 {
-            ctx.control.record_batch(stepped, b.running.len());
+            ctx.control.record_batch(0, b.running.len());
         }
         for (s, stopped) in done {
             served(ctx, conn, &s.req, s.generated, stopped)?;
