@@ -118,12 +118,23 @@ impl Server {
 
     /// The value of metric `name` on /metrics now.
     fn metric(&self, name: &str) -> f64 {
+        self.metrics(&[name])[0]
+    }
+
+    /// Several metrics from one read of the page, so that they can be compared: counters
+    /// read one request apart may be steps apart.
+    fn metrics(&self, names: &[&str]) -> Vec<f64> {
         let (_, m) = self.request("GET", "/metrics", "");
-        let line = m
-            .lines()
-            .find(|l| l.starts_with(&format!("{name} ")))
-            .unwrap();
-        line.rsplit(' ').next().unwrap().parse().unwrap()
+        names
+            .iter()
+            .map(|name| {
+                let line = m
+                    .lines()
+                    .find(|l| l.starts_with(&format!("{name} ")))
+                    .unwrap();
+                line.rsplit(' ').next().unwrap().parse().unwrap()
+            })
+            .collect()
     }
 
     /// Waits until metric `name` satisfies `done` (a generous bound, not a speed test: what it
@@ -507,7 +518,8 @@ fn requests_join_a_running_batch_and_leave_it() {
         // b's second token comes from a step that ran a's too.
         let b = tokens_in(&srv, &long("The little dog"), 2);
         assert!(metric("tprun_batch_size_peak") >= 2.0, "world {world}");
-        assert!(metric("tprun_decode_rows_total") > metric("tprun_decode_steps_total"));
+        let m = srv.metrics(&["tprun_decode_rows_total", "tprun_decode_steps_total"]);
+        assert!(m[0] > m[1], "rows {} steps {}", m[0], m[1]);
         drop((a, b));
         // Both are evicted at the ranks' next steps; a third request then runs alone.
         let v = srv.json("/v1/completions", &completion(&srv, "Lily", 5, false));

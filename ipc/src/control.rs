@@ -485,8 +485,9 @@ impl ControlBlock {
     pub fn record_batch(&self, rows: usize, size: usize) {
         let b = &self.shared().batch;
         if rows > 0 {
-            b.steps.fetch_add(1, Ordering::Relaxed);
+            // Rows before the step (Release): a reader that sees the step sees its rows.
             b.rows.fetch_add(rows as u64, Ordering::Relaxed);
+            b.steps.fetch_add(1, Ordering::Release);
         }
         b.size.store(size as u64, Ordering::Relaxed);
         b.peak.fetch_max(rows.max(size) as u64, Ordering::Relaxed);
@@ -495,8 +496,9 @@ impl ControlBlock {
     /// Rank 0's batch statistics so far (coordinator).
     pub fn batch_stats(&self) -> BatchStats {
         let b = &self.shared().batch;
+        let steps = b.steps.load(Ordering::Acquire);
         BatchStats {
-            steps: b.steps.load(Ordering::Relaxed),
+            steps,
             rows: b.rows.load(Ordering::Relaxed),
             size: b.size.load(Ordering::Relaxed),
             peak: b.peak.load(Ordering::Relaxed),
