@@ -12,6 +12,7 @@
 #                                                     skips what no longer fits)
 #   scripts/device/decode.sh quick BIN STORIES_DIR    stories260k's checks and the TP=1 speed
 #                                                     modes only
+#   scripts/device/decode.sh stories|selftest|kill BIN [STORIES_DIR]   one section of check
 #   scripts/device/decode.sh perf BIN                 speed and the Hugging Face comparison:
 #       synth llama3-8b bf16 (16 GB); transformers' greedy logits for 32 steps against
 #       tprun's (scripts/hf_reference.py, scripts/compare_logits.py); tprun decode TP=1, 256
@@ -215,6 +216,8 @@ sec_tp4() {
 case "$mode" in
     check) sec_selftest; sec_stories; sec_q3; sec_bad; sec_kill ;;
     kill) sec_kill ;;
+    stories) sec_stories ;;
+    selftest) sec_selftest ;;
     quick)
         # Correctness on stories260k and the TP=1 speed modes only (a quick look at a change).
         sec_synth > "$out/synth.log" 2>&1 &
@@ -230,7 +233,7 @@ case "$mode" in
         sec_stories
         wait $synth; cat "$out/synth.log"
         sec_tp1; sec_copy; sec_hf; sec_peer; sec_tp4; sec_q3; sec_bad; sec_kill; sec_selftest ;;
-    *) echo "usage: decode.sh check|perf|all|quick|kill BIN [STORIES_DIR]"; exit 2 ;;
+    *) echo "usage: decode.sh check|perf|all|quick|kill|stories|selftest BIN [STORIES_DIR]"; exit 2 ;;
 esac
 echo "decode.sh $mode: $([ $status -eq 0 ] && echo PASS || echo FAIL)"
 exit $status

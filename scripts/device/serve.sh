@@ -7,6 +7,9 @@
 #
 #   scripts/device/serve.sh [TPRUN_BINARY] [MAX_TOKENS] [REQUESTS]
 #
+# SERVE_MODEL=DIR serves DIR instead of the synth (no synth); CHECK_ONLY=1 stops after the
+# batched = alone check (a quick look at the batched step on a small model).
+#
 # Results in $OUT (default /tmp/tprun-serve): bench.json, bench.txt, serve.log, metrics.txt.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -17,14 +20,16 @@ OUT="${OUT:-/tmp/tprun-serve}"
 mkdir -p "$OUT"
 . "$root/scripts/device/common.sh"
 tprun_job "$bin" 1 120
-m=/tmp/l8b
+m="${SERVE_MODEL:-/tmp/l8b}"
 status=0
 fail() { echo "FAILED: $*"; status=1; }
 
-echo "== synth llama3-8b bf16"
-t0=$(date +%s)
-[ -d $m ] || $bin synth --arch llama --preset llama3-8b --dtype bf16 --out $m > /dev/null 2>&1 || fail synth
-echo "synth took $(( $(date +%s) - t0 )) s"
+if [ -z "${SERVE_MODEL:-}" ]; then
+    echo "== synth llama3-8b bf16"
+    t0=$(date +%s)
+    [ -d $m ] || $bin synth --arch llama --preset llama3-8b --dtype bf16 --out $m > /dev/null 2>&1 || fail synth
+    echo "synth took $(( $(date +%s) - t0 )) s"
+fi
 
 port=8123
 $t serve --model $m --port $port --max-batch 64 --max-seq 1024 > "$OUT/serve.log" 2>&1 &
@@ -39,11 +44,11 @@ curl -sf "http://127.0.0.1:$port/health" > /dev/null || { cat "$OUT/serve.log"; 
 grep -E "loaded|ready" "$OUT/serve.log"
 
 echo "== 8 concurrent greedy requests = each alone"
-python3 - "$port" <<'EOF' || fail "batched tokens differ from alone"
+python3 - "$port" "$(basename "$m")" <<'EOF' || fail "batched tokens differ from alone"
 import concurrent.futures as cf, json, sys, urllib.request
-port = sys.argv[1]
+port, model = sys.argv[1], sys.argv[2]
 def ask(i):
-    body = {"model": "l8b", "prompt": f"Request number {i} says", "max_tokens": 24 + 3 * i,
+    body = {"model": model, "prompt": f"Request number {i} says", "max_tokens": 24 + 3 * i,
             "temperature": 0, "ignore_eos": True}
     r = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
                                {"Content-Type": "application/json"})
@@ -55,6 +60,11 @@ same = sum(a == b for a, b in zip(alone, together))
 print(f"{same}/8 requests identical alone and batched (GPU: the batched products may round "
       f"differently from the single-row ones, so greedy text can diverge late)")
 EOF
+if [ "${CHECK_ONLY:-0}" = 1 ]; then
+    kill -INT $srv; wait $srv; echo "server exit $?"
+    trap - EXIT
+    exit $status
+fi
 
 echo "== load: bench_serve.py, max_tokens $max_tokens, $requests request(s) per client"
 python3 "$root/scripts/bench_serve.py" --url "http://127.0.0.1:$port" --clients 1,4,16,64 \
