@@ -19,6 +19,16 @@ pub fn info(args: &InfoArgs) -> Result<i32, JobError> {
         Ok(d) if !d.is_empty() => cuda::peer_matrix().ok(),
         _ => None,
     };
+    // HIP: the devices and peer pairs through the same probe over the HIP table.
+    let hip = cuda::Gpu::Hip.driver().and_then(|d| {
+        let devs = cuda::probe::probe_with(&*d)?;
+        let peers = cuda::probe::peer_matrix_with(&*d).ok();
+        Ok((devs, peers))
+    });
+    let hip_why = |e: &tprun_kernels::KernelError| match e {
+        tprun_kernels::KernelError::Unavailable { why, .. } => why.clone(),
+        e => e.to_string(),
+    };
     if args.json {
         let v = json!({
             "cpu": { "cores": cores, "arch": std::env::consts::ARCH },
@@ -31,7 +41,14 @@ pub fn info(args: &InfoArgs) -> Result<i32, JobError> {
                 }),
                 Err(e) => json!({ "available": false, "why": e.to_string() }),
             },
-            "hip": { "available": false, "why": crate::hip_status() },
+            "hip": match &hip {
+                Ok((devs, peers)) => json!({
+                    "available": true,
+                    "devices": devs,
+                    "peer_access": peers,
+                }),
+                Err(e) => json!({ "available": false, "why": hip_why(e) }),
+            },
         });
         println!("{}", serde_json::to_string_pretty(&v).expect("json"));
         return Ok(0);
@@ -62,25 +79,49 @@ pub fn info(args: &InfoArgs) -> Result<i32, JobError> {
                 );
             }
             if let Some(m) = peers {
-                println!("  peer access (row maps column's memory):");
-                print!("      ");
-                for j in 0..m.len() {
-                    print!("{j:>3}");
-                }
-                println!();
-                for (i, row) in m.iter().enumerate() {
-                    print!("  {i:>3} ");
-                    for &ok in row {
-                        print!("{:>3}", if ok { "Y" } else { "." });
-                    }
-                    println!();
-                }
+                print_peers(&m);
             }
         }
         Err(e) => println!("cuda  unavailable: {e}"),
     }
-    println!("hip   unavailable: {}", crate::hip_status());
+    match &hip {
+        Ok((devs, peers)) => {
+            println!("hip   available: {} device(s)", devs.len());
+            for d in devs {
+                // `uuid` ends with the PCI bus id in parentheses.
+                println!(
+                    "  [{}] {}  {:.1} GiB  {}  {}",
+                    d.ordinal,
+                    d.name,
+                    d.memory as f64 / (1u64 << 30) as f64,
+                    d.arch,
+                    d.uuid
+                );
+            }
+            if let Some(m) = peers {
+                print_peers(m);
+            }
+        }
+        Err(e) => println!("hip   unavailable: {}", hip_why(e)),
+    }
     Ok(0)
+}
+
+/// The peer-access matrix: a Y where the row's device maps the column's memory.
+fn print_peers(m: &[Vec<bool>]) {
+    println!("  peer access (row maps column's memory):");
+    print!("      ");
+    for j in 0..m.len() {
+        print!("{j:>3}");
+    }
+    println!();
+    for (i, row) in m.iter().enumerate() {
+        print!("  {i:>3} ");
+        for &ok in row {
+            print!("{:>3}", if ok { "Y" } else { "." });
+        }
+        println!();
+    }
 }
 
 struct Wrong {
@@ -121,7 +162,7 @@ pub fn selftest(settings: &Settings, args: &SelftestArgs) -> Result<i32, JobErro
     let mut failed = 0usize;
     // 1. Kernels against their CPU twins (GPU backends), in one rank on the first device
     //    (inside it, "ranks" as threads on that device).
-    if settings.backend == Backend::Cuda {
+    if settings.backend != Backend::Cpu {
         let device = settings.devices[0];
         let mut kernels = Kernels::default();
         let task = Task::Selftest(SelftestSpec { seed: args.seed });
@@ -133,7 +174,8 @@ pub fn selftest(settings: &Settings, args: &SelftestArgs) -> Result<i32, JobErro
         };
         let bad = &kernels.failed;
         println!(
-            "kernels   cuda device {device}: {checks} check(s), {} failed",
+            "kernels   {} device {device}: {checks} check(s), {} failed",
+            settings.backend.name(),
             bad.len()
         );
         for r in bad {

@@ -100,9 +100,19 @@ impl Settings {
                 }
                 Err(why) => return Err(format!("backend 'cuda' is not usable: {why}")),
             },
-            BackendArg::Hip => {
-                return Err(format!("backend 'hip' is not usable: {}", hip_status()))
-            }
+            BackendArg::Hip if remote_ranks(cli) => Backend::Hip,
+            BackendArg::Hip => match hip_devices() {
+                Ok(n) => {
+                    wrap(n, &mut devices);
+                    if let Some(&d) = devices.iter().find(|&&d| d >= n) {
+                        return Err(format!(
+                            "--devices names device {d}, but only {n} HIP device(s) are visible"
+                        ));
+                    }
+                    Backend::Hip
+                }
+                Err(why) => return Err(format!("backend 'hip' is not usable: {why}")),
+            },
         };
         Ok(Settings {
             backend_explicit: cli.backend != BackendArg::Auto,
@@ -233,18 +243,19 @@ fn spawned_by_parent() -> bool {
         .is_ok_and(|p| p == std::os::unix::process::parent_id().to_string())
 }
 
-/// Why `--backend hip` cannot run here: no runtime, no device, or (with both) no HIP device
-/// layer in this build yet.
-pub fn hip_status() -> String {
-    match tprun_kernels::hip::HipRuntime::load() {
-        Err(e) => e,
-        Ok(rt) => match rt.devices() {
-            Err(e) => e,
-            Ok(n) => format!(
-                "{n} HIP device(s), but this build has no HIP device layer yet (the kernels \
-                 build through hiprtc; memory, streams and launches are next)"
-            ),
-        },
+/// Visible HIP devices (at least one), or the one line that says why `--backend hip` cannot
+/// run here: "hip: runtime not found (libamdhip64.so)", "no HIP device (hipInit: ...)".
+pub fn hip_devices() -> Result<usize, String> {
+    let driver = tprun_kernels::cuda::Gpu::Hip
+        .driver()
+        .map_err(|e| match e {
+            tprun_kernels::KernelError::Unavailable { why, .. } => why,
+            e => e.to_string(),
+        })?;
+    match driver.device_count() {
+        Ok(0) => Err("no HIP device".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("no HIP device ({e})")),
     }
 }
 
@@ -280,8 +291,13 @@ fn check_ignored_globals(cli: &Cli, matches: &clap::ArgMatches) -> Result<(), St
                 && m.value_source(id) == Some(clap::parser::ValueSource::CommandLine)
         })
     };
+    // `info --backend B` asks whether B is usable here (exit 1 with its reason if not).
     let flags = ["ranks", "backend", "devices", "timeout", "ipc"];
-    match flags.into_iter().find(|f| given(f)) {
+    match flags
+        .into_iter()
+        .filter(|&f| !(name == "info" && f == "backend"))
+        .find(|f| given(f))
+    {
         None => Ok(()),
         Some(f) => Err(format!(
             "--{f} has no effect on `tprun {name}`, which starts no job of ranks{}",
@@ -298,7 +314,26 @@ fn run(cli: Cli) -> i32 {
     match &cli.command {
         Command::Rank(args) => return run_rank(args),
         Command::Synth(args) => return report(decode::synth_cmd(args)),
-        Command::Info(args) => return report(info::info(args)),
+        Command::Info(args) => {
+            // An explicit GPU backend must be usable: its reason otherwise, one line, exit 1.
+            let usable = match cli.backend {
+                BackendArg::Hip => hip_devices().map(drop),
+                BackendArg::Cuda => match cuda_devices() {
+                    Ok(0) => Err("no CUDA device is visible".into()),
+                    r => r.map(drop),
+                },
+                BackendArg::Cpu | BackendArg::Auto => Ok(()),
+            };
+            if let Err(why) = usable {
+                let name = match cli.backend {
+                    BackendArg::Hip => "hip",
+                    _ => "cuda",
+                };
+                eprintln!("error: backend '{name}' is not usable: {why}");
+                return 1;
+            }
+            return report(info::info(args));
+        }
         _ => {}
     }
     // selftest's allreduce check is a multi-process check: at least two ranks by default.

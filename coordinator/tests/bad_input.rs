@@ -218,6 +218,8 @@ fn global_flags() {
             "hip",
         ),
         case(&["--backend", "hip", "selftest"], 1, "hip"),
+        case(&["--backend", "hip", "info"], 1, "hip"),
+        case(&["info", "--backend", "hip", "--json"], 1, "hip"),
         bench(&["--ipc", "carrier-pigeon"], "--ipc"),
         case(&["--bogus-flag", "decode"], 2, "--bogus-flag"),
         case(&["frobnicate"], 2, "frobnicate"),

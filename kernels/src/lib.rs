@@ -13,6 +13,7 @@ pub mod comm;
 pub mod cpu;
 pub mod cuda;
 pub mod device;
+pub mod driver;
 pub mod dtype;
 pub mod error;
 pub mod hip;

@@ -20,13 +20,13 @@ pub fn run(
     let results = match spec.backend {
         // CUDA_VISIBLE_DEVICES (set by the coordinator) makes our device ordinal 0. The checks
         // open their own devices (several "ranks" as threads) and take a while: beat meanwhile.
-        Backend::Cuda => ctx.beating(|| cuda::selftest(0, spec.ipc, selftest.seed))?,
-        Backend::Cpu => Vec::new(),
-        Backend::Hip => {
-            return Err(RankError::Other(
-                "backend 'hip' has no runtime layer in this build yet".into(),
-            ))
+        Backend::Cuda => {
+            ctx.beating(|| cuda::selftest(cuda::Gpu::Cuda, 0, spec.ipc, selftest.seed))?
         }
+        Backend::Hip => {
+            ctx.beating(|| cuda::selftest(cuda::Gpu::Hip, 0, spec.ipc, selftest.seed))?
+        }
+        Backend::Cpu => Vec::new(),
     };
     let report = Report::Selftest {
         checks: results.len() as u64,

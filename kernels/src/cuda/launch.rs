@@ -22,14 +22,13 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::{result as dr, CudaContext, CudaFunction, CudaModule, CudaStream};
-use cudarc::nvrtc::Ptx;
-
+use super::ctx::{driver_err, GpuCtx, GpuModule};
 use super::mem::CudaBuf;
-use super::{driver_err, program, result};
+use super::program;
 use crate::comm::{
     AllreduceArgs, CommAlgo, CommLayout, FLAG_STRIDE, MAX_WORLD, PHASES, SIGNAL_BYTES,
 };
+use crate::driver::{Driver, Function, Stream};
 use crate::{DType, KernelError, Result, View};
 
 /// Where the GPU part of the signal area starts: after the CPU backend's flags.
@@ -122,8 +121,11 @@ struct CopyParams {
 /// The loaded modules and their kernels as a typed table: (module, index in its name list).
 /// A launch picks its kernel by index, never by building or hashing a name.
 pub(crate) struct Kernels {
-    table: Vec<Vec<CudaFunction>>,
-    _modules: Vec<Arc<CudaModule>>,
+    table: Vec<Vec<Function>>,
+    /// Keeps the functions valid; unloaded when the device drops (after its stream synced).
+    _modules: Vec<GpuModule>,
+    /// For occupancy queries (kernels are launched through the [`Launcher`]'s copy).
+    ctx: Arc<GpuCtx>,
 }
 
 /// The allreduce kernels of one dtype, in comm.cu's name order (`allreduce_{algo}_{dtype}`).
@@ -194,32 +196,26 @@ fn kernel_names(module: &str) -> Vec<String> {
 }
 
 impl Kernels {
-    /// Compiles (or takes from the cache) and loads every module for `arch`.
-    pub(crate) fn load(ctx: &Arc<CudaContext>, arch: (i32, i32)) -> Result<Kernels> {
+    /// Compiles (or takes from the cache) and loads every module for `arch` ("sm_90",
+    /// "gfx90a"), through the context's driver table (NVRTC or hiprtc).
+    pub(crate) fn load(ctx: &Arc<GpuCtx>, arch: &str) -> Result<Kernels> {
         let mut table = Vec::new();
         let mut modules = Vec::new();
         for (name, src) in program::SOURCES {
-            let bin = program::cubin(name, src, arch)?;
-            let module = match ctx.load_module(Ptx::from_binary(bin)) {
+            let bin = ctx.driver().module_image(name, src, arch, false)?;
+            let module = match GpuModule::load(ctx, &bin) {
                 Ok(m) => m,
                 // A stale or damaged cache file: compile afresh once.
                 Err(_) => {
-                    let bin = program::compile(
-                        name,
-                        &program::expand(src),
-                        &format!("sm_{}{}", arch.0, arch.1),
-                    )?;
-                    ctx.load_module(Ptx::from_binary(bin))
-                        .map_err(driver_err(format!("loading module {name}")))?
+                    let bin = ctx.driver().module_image(name, src, arch, true)?;
+                    GpuModule::load(ctx, &bin).map_err(|e| {
+                        KernelError::Backend(format!("loading module {name} for {arch}: {e}"))
+                    })?
                 }
             };
             let list = kernel_names(name)
                 .into_iter()
-                .map(|k| {
-                    module
-                        .load_function(&k)
-                        .map_err(driver_err(format!("kernel {k}")))
-                })
+                .map(|k| module.function(&k))
                 .collect::<Result<Vec<_>>>()?;
             table.push(list);
             modules.push(module);
@@ -227,12 +223,22 @@ impl Kernels {
         Ok(Kernels {
             table,
             _modules: modules,
+            ctx: ctx.clone(),
         })
     }
 
     /// Kernel `index` of `module`'s name list.
-    pub(crate) fn func(&self, module: program::Module, index: usize) -> &CudaFunction {
-        &self.table[module as usize][index]
+    #[inline]
+    pub(crate) fn func(&self, module: program::Module, index: usize) -> Function {
+        self.table[module as usize][index]
+    }
+
+    /// Blocks of `threads` threads of `f` (a kernel of these modules) that fit on one SM.
+    pub(crate) fn occupancy(&self, f: Function, threads: u32) -> Result<u32> {
+        self.ctx.bind()?;
+        // SAFETY: `f` belongs to one of our loaded modules.
+        unsafe { self.ctx.driver().occupancy(f, threads, 0) }
+            .map_err(driver_err("occupancy (max active blocks per SM)"))
     }
 
     /// Blocks of `AR_THREADS` threads that fit on one SM, for the allreduce kernel that fits
@@ -247,26 +253,17 @@ impl Kernels {
         kernel_names("comm")
             .into_iter()
             .zip(&self.table[program::Module::Comm as usize])
-            .map(|(name, f)| {
-                // SAFETY: `f` belongs to a loaded module.
-                let n = unsafe {
-                    dr::occupancy::max_active_block_per_multiprocessor(
-                        f.cu_function(),
-                        AR_THREADS as i32,
-                        0,
-                    )
-                }
-                .map_err(driver_err("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
-                Ok((name, n.max(1) as u32))
-            })
+            .map(|(name, &f)| Ok((name, self.occupancy(f, AR_THREADS)?.max(1))))
             .collect()
     }
 }
 
 /// What a launch needs from the device.
 pub(crate) struct Launcher<'a> {
-    pub ctx: &'a Arc<CudaContext>,
-    pub stream: &'a Arc<CudaStream>,
+    pub ctx: &'a GpuCtx,
+    /// `ctx`'s driver table, looked up once per launcher.
+    pub driver: &'a dyn Driver,
+    pub stream: Stream,
     pub kernels: &'a Kernels,
     pub sms: u32,
     pub comm_blocks: u32,
@@ -310,7 +307,7 @@ impl Launcher<'_> {
     /// valid until the stream passes this launch.
     pub(crate) unsafe fn launch_fn<P>(
         &self,
-        f: &CudaFunction,
+        f: Function,
         grid: (u32, u32, u32),
         block: u32,
         smem: u32,
@@ -324,7 +321,7 @@ impl Launcher<'_> {
     /// As [`Launcher::launch_fn`].
     unsafe fn launch_with<P>(
         &self,
-        f: &CudaFunction,
+        f: Function,
         grid: (u32, u32, u32),
         block: u32,
         smem: u32,
@@ -336,48 +333,18 @@ impl Launcher<'_> {
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut args = [(params as *mut P).cast::<c_void>()];
         let grid = (grid.0.max(1), grid.1.max(1), grid.2.max(1));
-        if pdl {
-            use cudarc::driver::sys;
-            // SAFETY: a plain C struct (an id and a union of plain values): all-zero is valid.
-            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-            attr.id =
-                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attr.value.programmaticStreamSerializationAllowed = 1;
-            let cfg = sys::CUlaunchConfig {
-                gridDimX: grid.0,
-                gridDimY: grid.1,
-                gridDimZ: grid.2,
-                blockDimX: block,
-                blockDimY: 1,
-                blockDimZ: 1,
-                sharedMemBytes: smem,
-                hStream: self.stream.cu_stream(),
-                attrs: &mut attr,
-                numAttrs: 1,
-            };
-            // SAFETY: per the contract; `cfg` and `attr` live across the call, which copies
-            // the parameters before it returns.
-            return unsafe {
-                sys::cuLaunchKernelEx(
-                    &cfg,
-                    f.cu_function(),
-                    args.as_mut_ptr(),
-                    std::ptr::null_mut(),
-                )
-            }
-            .result()
-            .map_err(driver_err("launching a kernel (PDL)"));
-        }
-        // SAFETY: per the contract; cuLaunchKernel copies the parameter values before it
-        // returns.
+        // SAFETY: per the contract; the runtime copies the parameter values before it
+        // returns, so `args` and `params` may go after the call. `pdl` is only set where the
+        // driver has it (CudaDevice::set_pdl masks it by Caps::pdl).
         unsafe {
-            dr::launch_kernel(
-                f.cu_function(),
+            self.driver.launch(
+                f,
                 grid,
                 (block, 1, 1),
                 smem,
-                self.stream.cu_stream(),
-                &mut args,
+                self.stream,
+                args.as_mut_ptr(),
+                pdl,
             )
         }
         .map_err(driver_err("launching a kernel"))
@@ -406,8 +373,15 @@ impl Launcher<'_> {
         if src.dtype == dst.dtype && (bytes > SMALL_COPY_BYTES || !self.small_copy_kernel) {
             // SAFETY: both ranges bounds-checked; the buffers outlive the queued copy (callers
             // sync before dropping buffers).
-            return unsafe { dr::memcpy_dtod_async(d, s, bytes, self.stream.cu_stream()) }
-                .map_err(driver_err("cuMemcpyDtoDAsync"));
+            return unsafe {
+                self.driver.memcpy_dtod_async(
+                    crate::driver::DevPtr(d),
+                    crate::driver::DevPtr(s),
+                    bytes,
+                    self.stream,
+                )
+            }
+            .map_err(driver_err("device-to-device copy"));
         }
         // (kernel, its n, work items for the grid): bytes for copy_bytes (16 per thread),
         // elements for the converting copies.
@@ -558,14 +532,12 @@ impl Launcher<'_> {
         // multiples (CommLayout), so only the data view can break 16-byte alignment.
         let comm_aligned = p.comm[..a.world].iter().all(|c| c.is_multiple_of(16));
         p.vec = u32::from(comm_aligned && p.data.is_multiple_of(16));
-        self.ctx
-            .bind_to_thread()
-            .map_err(driver_err("binding the context"))?;
+        self.ctx.bind()?;
         // While the stream is captured into a graph the host epoch would be frozen into the
         // graph, so the kernel must not check it (comm.cu: "Where the epoch comes from").
         // SAFETY: our live stream.
-        if unsafe { result::stream::is_capturing(self.stream.cu_stream()) }
-            .map_err(driver_err("cuStreamIsCapturing"))?
+        if unsafe { self.driver.stream_is_capturing(self.stream) }
+            .map_err(driver_err("asking whether the stream captures"))?
         {
             p.host_epoch = 0;
         }

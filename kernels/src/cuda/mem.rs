@@ -1,5 +1,6 @@
-//! Owning types for CUDA memory: [`CudaBuf`] (private, VMM-shareable, legacy-shareable or
-//! imported device memory) and [`HostWords`] (pinned host words the GPU reports errors into).
+//! Owning types for GPU memory, over the driver table: [`CudaBuf`] (private, VMM-shareable,
+//! legacy-shareable or imported device memory) and [`HostWords`] (pinned host words the GPU
+//! reports errors into). The names say CUDA; the same code serves HIP (renaming is deferred).
 //!
 //! Owns: allocation, export, import and release; `Drop` releases everything and never panics
 //! (errors are logged, as cudarc's `Drop`s record rather than unwrap).
@@ -11,12 +12,10 @@
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 
-use cudarc::driver::sys;
-use cudarc::driver::CudaContext;
-
-use super::result;
-use super::{driver_err, IpcMode};
+use super::ctx::{driver_err, GpuCtx};
+use super::IpcMode;
 use crate::device::{Export, ExportMeta};
+use crate::driver::{DevPtr, IpcHandle, VmmHandle, IPC_HANDLE_BYTES};
 use crate::{KernelError, Result};
 
 /// How a [`CudaBuf`]'s memory was obtained, i.e. how it is given back.
@@ -25,10 +24,7 @@ enum Backing {
     Alloc,
     /// A VMM mapping: `size` bytes (the padded size) of physical allocation `handle` mapped at
     /// the buffer's address, in a reserved range of the same size.
-    Vmm {
-        handle: sys::CUmemGenericAllocationHandle,
-        size: usize,
-    },
+    Vmm { handle: VmmHandle, size: usize },
     /// A peer's legacy allocation opened with `cuIpcOpenMemHandle`.
     IpcOpened,
     /// Page-locked host memory mapped into the device's address space (`cuMemHostAlloc`
@@ -38,11 +34,11 @@ enum Backing {
 
 /// Device memory owned by, or mapped into, this process.
 pub struct CudaBuf {
-    ptr: sys::CUdeviceptr,
+    ptr: u64,
     len: usize,
     backing: Backing,
     /// Keeps the context alive (and current-able) for as long as the memory exists.
-    ctx: Arc<CudaContext>,
+    ctx: Arc<GpuCtx>,
 }
 
 // SAFETY: a CudaBuf is a device address plus ownership; the driver API is thread-safe, and
@@ -90,14 +86,13 @@ impl CudaBuf {
     }
 
     /// Private memory from `cuMemAlloc`, not yet zeroed (the caller queues the memset).
-    pub(crate) fn alloc(ctx: &Arc<CudaContext>, bytes: usize) -> Result<CudaBuf> {
-        ctx.bind_to_thread()
-            .map_err(driver_err("binding the context"))?;
+    pub(crate) fn alloc(ctx: &Arc<GpuCtx>, bytes: usize) -> Result<CudaBuf> {
+        ctx.bind()?;
         // SAFETY: the context is current (bound above). At least 1 byte: cuMemAlloc rejects 0.
-        let ptr = unsafe { result::mem::alloc(bytes.max(1)) }
-            .map_err(driver_err(format!("cuMemAlloc of {bytes} bytes")))?;
+        let ptr = unsafe { ctx.driver().mem_alloc(bytes.max(1)) }
+            .map_err(driver_err(format!("allocating {bytes} bytes")))?;
         Ok(CudaBuf {
-            ptr,
+            ptr: ptr.0,
             len: bytes,
             backing: Backing::Alloc,
             ctx: ctx.clone(),
@@ -106,18 +101,16 @@ impl CudaBuf {
 
     /// Page-locked host memory that kernels write through the returned buffer's device
     /// address and the host reads with [`CudaBuf::read_host`]; zeroed.
-    pub(crate) fn alloc_mapped(ctx: &Arc<CudaContext>, bytes: usize) -> Result<CudaBuf> {
-        ctx.bind_to_thread()
-            .map_err(driver_err("binding the context"))?;
+    pub(crate) fn alloc_mapped(ctx: &Arc<GpuCtx>, bytes: usize) -> Result<CudaBuf> {
+        ctx.bind()?;
         // SAFETY: context current; at least 1 byte.
-        let (h, d) = unsafe { result::mem::host_alloc_mapped(bytes.max(1)) }.map_err(
-            driver_err(format!("cuMemHostAlloc (DEVICEMAP) of {bytes} bytes")),
+        let (host, d) = unsafe { ctx.driver().host_alloc_mapped(bytes.max(1)) }.map_err(
+            driver_err(format!("mapped host allocation of {bytes} bytes")),
         )?;
-        let host = h.cast::<u8>();
         // SAFETY: a fresh allocation of at least `bytes` bytes.
         unsafe { std::ptr::write_bytes(host, 0, bytes.max(1)) };
         Ok(CudaBuf {
-            ptr: d,
+            ptr: d.0,
             len: bytes,
             backing: Backing::HostMapped { host },
             ctx: ctx.clone(),
@@ -152,18 +145,18 @@ impl CudaBuf {
 
     /// Shareable memory and its export, in the given (resolved) mode. Not yet zeroed.
     pub(crate) fn alloc_shared(
-        ctx: &Arc<CudaContext>,
+        ctx: &Arc<GpuCtx>,
         mode: IpcMode,
         bytes: usize,
     ) -> Result<(CudaBuf, Export)> {
         match mode {
             IpcMode::Legacy => {
                 let buf = Self::alloc(ctx, bytes)?;
-                // SAFETY: `buf.ptr` is the base of a live cuMemAlloc allocation; context bound
+                // SAFETY: `buf.ptr` is the base of a live mem_alloc allocation; context bound
                 // in `alloc`.
-                let h = unsafe { result::mem::ipc_get(buf.ptr) }
-                    .map_err(driver_err("cuIpcGetMemHandle"))?;
-                let handle = h.reserved.iter().map(|&c| c as u8).collect();
+                let h = unsafe { ctx.driver().ipc_get(DevPtr(buf.ptr)) }
+                    .map_err(driver_err("exporting a legacy IPC handle"))?;
+                let handle = h.0.to_vec();
                 Ok((
                     buf,
                     Export {
@@ -179,8 +172,8 @@ impl CudaBuf {
                 };
                 // SAFETY: `handle` is live (owned by `buf`) and was created with the POSIX fd
                 // handle type.
-                let fd = unsafe { result::vmm::export_fd(handle) }
-                    .map_err(driver_err("cuMemExportToShareableHandle (POSIX fd)"))?;
+                let fd = unsafe { ctx.driver().vmm_export_fd(handle) }
+                    .map_err(driver_err("exporting a VMM allocation"))?;
                 // SAFETY: the driver just created this descriptor for us; nobody else owns it.
                 let fd = unsafe { OwnedFd::from_raw_fd(fd) };
                 Ok((
@@ -196,91 +189,83 @@ impl CudaBuf {
 
     /// A VMM allocation of at least `bytes` bytes, mapped read-write for this device.
     /// Returns the buffer (len = `bytes`) and the padded size.
-    fn vmm_create(ctx: &Arc<CudaContext>, bytes: usize) -> Result<(CudaBuf, usize)> {
-        ctx.bind_to_thread()
-            .map_err(driver_err("binding the context"))?;
-        let dev = ctx.cu_device();
-        let prop = result::vmm::device_prop(dev);
-        // SAFETY: driver initialised (a context exists).
-        let gran = unsafe { result::vmm::granularity(&prop) }
-            .map_err(driver_err("cuMemGetAllocationGranularity"))?;
+    fn vmm_create(ctx: &Arc<GpuCtx>, bytes: usize) -> Result<(CudaBuf, usize)> {
+        ctx.bind()?;
+        let drv = ctx.driver();
+        let gran = drv
+            .vmm_granularity(ctx.ordinal())
+            .map_err(driver_err("VMM granularity"))?
+            .max(1);
         let size = bytes.max(1).div_ceil(gran) * gran;
         // SAFETY: context current; size is a multiple of the granularity.
-        let handle = unsafe { result::vmm::create(size, &prop) }
-            .map_err(driver_err(format!("cuMemCreate of {size} bytes")))?;
+        let handle = unsafe { drv.vmm_create(ctx.ordinal(), size) }
+            .map_err(driver_err(format!("VMM allocation of {size} bytes")))?;
         let buf = Self::vmm_map(ctx, handle, size, bytes)?;
         Ok((buf, size))
     }
 
     /// Reserves an address range for `handle` (`size` bytes), maps it and grants this device
     /// read-write access. Takes ownership of `handle` (released on error).
-    fn vmm_map(
-        ctx: &Arc<CudaContext>,
-        handle: sys::CUmemGenericAllocationHandle,
-        size: usize,
-        len: usize,
-    ) -> Result<CudaBuf> {
-        let dev = ctx.cu_device();
+    fn vmm_map(ctx: &Arc<GpuCtx>, handle: VmmHandle, size: usize, len: usize) -> Result<CudaBuf> {
+        let drv = ctx.driver();
         let release = |e: KernelError| {
             // SAFETY: `handle` is owned here and released once, on this error path only.
-            if let Err(re) = unsafe { result::vmm::release(handle) } {
-                tracing::warn!("cuMemRelease after a failed mapping: {re:?}");
+            if let Err(re) = unsafe { drv.vmm_release(handle) } {
+                tracing::warn!("releasing a VMM allocation after a failed mapping: {re}");
             }
             e
         };
-        // SAFETY: context bound by the caller. Alignment 0 = the granularity.
-        let ptr = unsafe { result::vmm::reserve(size, 0) }
-            .map_err(driver_err(format!("cuMemAddressReserve of {size} bytes")))
+        // SAFETY: context bound by the caller.
+        let ptr = unsafe { drv.vmm_reserve(size) }
+            .map_err(driver_err(format!(
+                "reserving {size} bytes of address space"
+            )))
             .map_err(release)?;
         // SAFETY: `ptr..ptr+size` was just reserved and is unmapped; `handle` is live.
-        if let Err(e) = unsafe { result::vmm::map(ptr, size, handle) } {
+        if let Err(e) = unsafe { drv.vmm_map(ptr, size, handle) } {
             // SAFETY: reserved above, nothing mapped, freed once.
-            let _ = unsafe { result::vmm::address_free(ptr, size) };
-            return Err(release(driver_err("cuMemMap")(e)));
+            let _ = unsafe { drv.vmm_address_free(ptr, size) };
+            return Err(release(driver_err("mapping a VMM allocation")(e)));
         }
         // From here on the buffer's Drop undoes everything.
         let buf = CudaBuf {
-            ptr,
+            ptr: ptr.0,
             len,
             backing: Backing::Vmm { handle, size },
             ctx: ctx.clone(),
         };
         // SAFETY: the range is mapped.
-        unsafe { result::vmm::set_access_rw(ptr, size, dev) }
-            .map_err(driver_err("cuMemSetAccess"))?;
+        unsafe { drv.vmm_set_access(ptr, size, ctx.ordinal()) }
+            .map_err(driver_err("granting access to a VMM mapping"))?;
         Ok(buf)
     }
 
     /// Maps a peer's export into this process.
-    pub(crate) fn import(ctx: &Arc<CudaContext>, export: Export) -> Result<CudaBuf> {
-        ctx.bind_to_thread()
-            .map_err(driver_err("binding the context"))?;
+    pub(crate) fn import(ctx: &Arc<GpuCtx>, export: Export) -> Result<CudaBuf> {
+        ctx.bind()?;
         match (export.meta, export.fd) {
             (ExportMeta::CudaVmmFd { bytes }, Some(fd)) => {
                 // SAFETY: `fd` is open (we own it) and a context is current. The fd is not
                 // consumed: it closes when `fd` drops at the end of this function, and the
                 // imported handle keeps the memory alive.
-                let handle = unsafe { result::vmm::import_fd(fd.as_raw_fd()) }
-                    .map_err(driver_err("cuMemImportFromShareableHandle (POSIX fd)"))?;
+                let handle = unsafe { ctx.driver().vmm_import_fd(fd.as_raw_fd()) }
+                    .map_err(driver_err("importing a VMM allocation"))?;
                 Self::vmm_map(ctx, handle, bytes, bytes)
             }
             (ExportMeta::CudaLegacy { bytes, handle }, _) => {
-                if handle.len() != 64 {
-                    return Err(KernelError::Invalid(format!(
-                        "a legacy CUDA IPC handle has 64 bytes, got {}",
+                let h: [u8; IPC_HANDLE_BYTES] = handle.as_slice().try_into().map_err(|_| {
+                    KernelError::Invalid(format!(
+                        "a legacy IPC handle has {IPC_HANDLE_BYTES} bytes, got {}",
                         handle.len()
-                    )));
-                }
-                let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
-                for (d, s) in h.reserved.iter_mut().zip(&handle) {
-                    *d = *s as std::ffi::c_char;
-                }
-                // SAFETY: context current; the handle is passed by value.
-                let ptr = unsafe { result::mem::ipc_open(h) }.map_err(driver_err(
-                    "cuIpcOpenMemHandle (a handle from this same process cannot be opened)",
+                    ))
+                })?;
+                // SAFETY: context current.
+                let ptr = unsafe { ctx.driver().ipc_open(&IpcHandle(h)) }.map_err(driver_err(
+                    "opening a legacy IPC handle (a handle from this same process cannot be \
+                     opened)",
                 ))?;
                 Ok(CudaBuf {
-                    ptr,
+                    ptr: ptr.0,
                     len: bytes,
                     backing: Backing::IpcOpened,
                     ctx: ctx.clone(),
@@ -299,30 +284,33 @@ impl Drop for CudaBuf {
         // Never panics: every failure is logged and the rest is still released. Queued work
         // using this memory must be finished by now (callers sync before dropping buffers;
         // CudaDevice::drop synchronises its stream).
-        if let Err(e) = self.ctx.bind_to_thread() {
-            tracing::warn!("freeing {self:?}: cannot bind its context: {e:?}");
-            return;
+        // A failed bind is logged and the release still tried (the context is most likely
+        // current anyway; the runtime reports it if not).
+        if let Err(e) = self.ctx.bind() {
+            tracing::warn!("freeing {self:?}: cannot bind its context: {e}");
         }
+        let drv = self.ctx.driver();
+        let p = DevPtr(self.ptr);
         // In every arm the memory was obtained as `backing` says, in this context, and is
         // released exactly once, here.
         let r = match self.backing {
-            // SAFETY: see above (cuMemAlloc'd).
-            Backing::Alloc => unsafe { result::mem::free(self.ptr) },
-            // SAFETY: see above (opened with cuIpcOpenMemHandle).
-            Backing::IpcOpened => unsafe { result::mem::ipc_close(self.ptr) },
-            // SAFETY: see above (cuMemHostAlloc'd).
-            Backing::HostMapped { host } => unsafe { result::mem::host_free(host.cast()) },
+            // SAFETY: see above (mem_alloc'd).
+            Backing::Alloc => unsafe { drv.mem_free(p) },
+            // SAFETY: see above (opened with ipc_open).
+            Backing::IpcOpened => unsafe { drv.ipc_close(p) },
+            // SAFETY: see above (host_alloc_mapped).
+            Backing::HostMapped { host } => unsafe { drv.host_free(host) },
             // SAFETY: see above; unmapped before its range is freed, and the physical handle
             // released last (the driver frees the memory once no mapping refers to it).
             Backing::Vmm { handle, size } => unsafe {
-                let a = result::vmm::unmap(self.ptr, size);
-                let b = result::vmm::address_free(self.ptr, size);
-                let c = result::vmm::release(handle);
+                let a = drv.vmm_unmap(p, size);
+                let b = drv.vmm_address_free(p, size);
+                let c = drv.vmm_release(handle);
                 a.and(b).and(c)
             },
         };
         if let Err(e) = r {
-            tracing::warn!("freeing {self:?}: {e:?}");
+            tracing::warn!("freeing {self:?}: {e}");
         }
     }
 }
@@ -333,7 +321,7 @@ pub(crate) struct HostWords {
     host: *mut u32,
     dev: u64,
     n: usize,
-    ctx: Arc<CudaContext>,
+    ctx: Arc<GpuCtx>,
 }
 
 // SAFETY: pinned host memory addressed by raw pointer; the host reads it only after a stream
@@ -343,15 +331,14 @@ unsafe impl Send for HostWords {}
 unsafe impl Sync for HostWords {}
 
 impl HostWords {
-    pub(crate) fn new(ctx: &Arc<CudaContext>, n: usize) -> Result<HostWords> {
-        ctx.bind_to_thread()
-            .map_err(driver_err("binding the context"))?;
+    pub(crate) fn new(ctx: &Arc<GpuCtx>, n: usize) -> Result<HostWords> {
+        ctx.bind()?;
         // SAFETY: context current.
-        let (h, d) = unsafe { result::mem::host_alloc_mapped(n * 4) }
-            .map_err(driver_err("cuMemHostAlloc (DEVICEMAP)"))?;
+        let (h, d) = unsafe { ctx.driver().host_alloc_mapped(n * 4) }
+            .map_err(driver_err("mapped host allocation of the error words"))?;
         let w = HostWords {
             host: h.cast(),
-            dev: d,
+            dev: d.0,
             n,
             ctx: ctx.clone(),
         };
@@ -384,14 +371,13 @@ impl HostWords {
 
 impl Drop for HostWords {
     fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_err() {
-            tracing::warn!("freeing the error words: cannot bind the context");
-            return;
+        if let Err(e) = self.ctx.bind() {
+            tracing::warn!("freeing the error words: cannot bind the context: {e}");
         }
         // SAFETY: allocated by host_alloc_mapped in this context, freed once; the owning
         // device synchronised its stream before dropping us.
-        if let Err(e) = unsafe { result::mem::host_free(self.host.cast()) } {
-            tracing::warn!("cuMemFreeHost: {e:?}");
+        if let Err(e) = unsafe { self.ctx.driver().host_free(self.host.cast()) } {
+            tracing::warn!("freeing the error words: {e}");
         }
     }
 }

@@ -1,19 +1,26 @@
-//! The CUDA backend: [`CudaDevice`] implements [`Device`] on cudarc (driver + NVRTC, both
-//! loaded at run time, so the crate builds and runs where no CUDA is installed).
+//! The GPU backend: [`CudaDevice`] implements [`Device`] over the driver table
+//! ([`crate::driver::Driver`]), with two implementations loaded at run time: CUDA
+//! ([`driver::CudaDriver`]: cudarc, driver + NVRTC) and HIP ([`crate::hip::driver::HipDriver`]:
+//! libamdhip64 + hiprtc), so the crate builds and runs where neither is installed. The names
+//! say CUDA for history (renaming is deferred); [`Gpu`] picks the runtime.
 //!
-//! Layers (STYLE.md, cudarc's): `cudarc::driver::sys` (raw bindings) → cudarc's `result` and
-//! our [`result`] (the calls cudarc does not wrap: VMM, legacy IPC, mapped host memory) →
-//! owning types here and in [`mem`] with `Drop`. One stream per device: `run` queues on it,
-//! `sync` waits for it and turns device-reported errors (flag-wait timeouts, epoch mismatches,
-//! written into host-mapped words by the kernels) into [`KernelError`]s.
+//! Layers (STYLE.md, cudarc's): raw bindings (cudarc's `sys`, the HIP table's fn pointers) →
+//! the driver table (thin calls returning `Result`; for CUDA through cudarc's `result` and
+//! our [`result`]: VMM, legacy IPC, mapped host memory) → owning types in [`ctx`], [`mem`]
+//! and here, with `Drop`. One stream per device: `run` queues on it, `sync` waits for it and
+//! turns device-reported errors (flag-wait timeouts, epoch mismatches, written into
+//! host-mapped words by the kernels) into [`KernelError`]s.
 //!
-//! Kernels are `kernels/src/gpu/*.cu`, compiled by NVRTC for the device's architecture and
-//! cached on disk ([`program`]).
+//! Kernels are `kernels/src/gpu/*.cu`, compiled by NVRTC or hiprtc for the device's
+//! architecture and cached on disk ([`program`]). What a runtime cannot be trusted with
+//! ([`Caps`]: the low-latency oneshot, PDL, `mma.sync` kernels) is masked here.
 //!
 //! Must not: know about processes or sockets: a peer's buffer arrives as an [`Export`] whose
 //! fd was already received.
 
+pub mod ctx;
 pub mod decode;
+pub mod driver;
 pub mod launch;
 pub mod mem;
 mod ops_attention;
@@ -32,9 +39,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::result::DriverError;
-use cudarc::driver::{result as dr, sys, CudaContext, CudaStream};
-
+pub(crate) use ctx::driver_err;
+use ctx::{GpuCtx, GpuEvent, GpuStream};
 pub use mem::CudaBuf;
 pub use probe::{device_count, driver_present, nvrtc_present, peer_matrix, probe};
 pub use selftest::{selftest, SelftestResult};
@@ -42,21 +48,49 @@ pub use selftest::{selftest, SelftestResult};
 use crate::comm::CommSettings;
 pub use crate::device::IpcMode;
 use crate::device::{Device, DeviceInfo, Export, Op, OpTime};
+use crate::driver::{Attr, Caps, DevPtr, Driver};
 use crate::{KernelError, Result};
 use launch::{Kernels, Launcher};
 use mem::HostWords;
 
-/// Turns a driver error into a backend error naming the call.
-pub(crate) fn driver_err(what: impl Into<String>) -> impl FnOnce(DriverError) -> KernelError {
-    let what = what.into();
-    move |e| KernelError::Backend(format!("{what}: {e:?}"))
+/// Which runtime the GPU backend runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gpu {
+    Cuda,
+    Hip,
 }
 
-/// One rank's CUDA device: a context (the device's primary context, shared with every other
+impl Gpu {
+    pub fn name(self) -> &'static str {
+        match self {
+            Gpu::Cuda => "cuda",
+            Gpu::Hip => "hip",
+        }
+    }
+
+    /// The runtime's driver table, loaded and initialised, or `Unavailable` with the one line
+    /// that says why ("no CUDA driver (libcuda.so.1) found", "hip: runtime not found
+    /// (libamdhip64.so)", "no HIP device (hipInit: hipErrorNoDevice)").
+    pub fn driver(self) -> Result<Arc<dyn Driver>> {
+        match self {
+            Gpu::Cuda => Ok(driver::CudaDriver::new()?),
+            Gpu::Hip => crate::hip::driver::HipDriver::get()
+                .map(|d| d as Arc<dyn Driver>)
+                .map_err(|why| KernelError::Unavailable {
+                    backend: "hip",
+                    why,
+                }),
+        }
+    }
+}
+
+/// One rank's GPU device: a context (the device's primary context, shared with every other
 /// `CudaDevice` of this process on the same ordinal), one stream, the loaded kernels and the
 /// error words.
 pub struct CudaDevice {
     ordinal: usize,
+    /// What the runtime can be trusted with (masks `ll`, `pdl`, the mma kernels).
+    caps: Caps,
     mode: IpcMode,
     info: DeviceInfo,
     sms: u32,
@@ -71,7 +105,7 @@ pub struct CudaDevice {
     /// Decode kernels launched with programmatic dependent launch; see
     /// [`CudaDevice::set_pdl`].
     pdl: AtomicBool,
-    /// Compute capability, major version.
+    /// Compute capability, major version (HIP reports gfx9 as 9).
     cc_major: i32,
     /// Kernel launches queued (or captured) so far.
     launches: AtomicU64,
@@ -85,8 +119,8 @@ pub struct CudaDevice {
     /// Set while [`Device::capture`] runs `f` (ops captured then are not timed).
     capturing: AtomicBool,
     kernels: Kernels,
-    stream: Arc<CudaStream>,
-    ctx: Arc<CudaContext>,
+    stream: GpuStream,
+    ctx: Arc<GpuCtx>,
 }
 
 impl CudaDevice {
@@ -95,34 +129,47 @@ impl CudaDevice {
         Self::open(ordinal, mode, &CommSettings::default())
     }
 
-    /// Opens device `ordinal` (after CUDA_VISIBLE_DEVICES), compiles or loads the kernels,
-    /// resolves `mode` (Auto → Fd or Legacy) and applies the job's allreduce settings `comm`.
-    /// `Unavailable` when there is no driver, no such device, or no NVRTC.
+    /// Opens CUDA device `ordinal` (after CUDA_VISIBLE_DEVICES), compiles or loads the
+    /// kernels, resolves `mode` (Auto → Fd or Legacy) and applies the job's allreduce settings
+    /// `comm`. `Unavailable` when there is no driver, no such device, or no NVRTC.
     pub fn open(ordinal: usize, mode: IpcMode, comm: &CommSettings) -> Result<CudaDevice> {
-        probe::init()?;
-        let count = dr::device::get_count().map_err(driver_err("cuDeviceGetCount"))?;
-        if ordinal >= count.max(0) as usize {
+        Self::open_with(Gpu::Cuda.driver()?, ordinal, mode, comm)
+    }
+
+    /// [`CudaDevice::open`] on the runtime of `driver` ([`Gpu::driver`]).
+    pub fn open_with(
+        driver: Arc<dyn Driver>,
+        ordinal: usize,
+        mode: IpcMode,
+        comm: &CommSettings,
+    ) -> Result<CudaDevice> {
+        let caps = driver.caps();
+        let backend = caps.backend;
+        let count = driver
+            .device_count()
+            .map_err(driver_err("counting devices"))?;
+        if ordinal >= count {
             return Err(KernelError::Unavailable {
-                backend: "cuda",
-                why: format!("no CUDA device {ordinal} ({count} visible)"),
+                backend,
+                why: format!(
+                    "no {} device {ordinal} ({count} visible)",
+                    backend.to_uppercase()
+                ),
             });
         }
-        let ctx = CudaContext::new(ordinal).map_err(|e| KernelError::Unavailable {
-            backend: "cuda",
-            why: format!("cannot open device {ordinal}: {e:?}"),
-        })?;
-        let stream = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
-        let info = probe::probe()?
-            .into_iter()
-            .nth(ordinal)
-            .expect("ordinal checked above");
-        let attr = |a| ctx.attribute(a).map_err(driver_err("cuDeviceGetAttribute"));
-        let sms = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
-        let cc = ctx
-            .compute_capability()
-            .map_err(driver_err("compute capability"))?;
+        let ctx = GpuCtx::retain(driver, ordinal)?;
+        let stream = GpuStream::new(&ctx)?;
+        // Only the opened device is probed (a peer's device may be busy or broken).
+        let info = probe::info_of(ctx.driver(), ordinal)?;
+        let attr = |a| {
+            ctx.driver()
+                .attribute(ordinal, a)
+                .map_err(driver_err("reading a device attribute"))
+        };
+        let sms = attr(Attr::MultiprocessorCount)? as u32;
+        let cc_major = attr(Attr::ComputeCapabilityMajor)?;
         let mode = Self::resolve_mode(&ctx, mode)?;
-        let kernels = Kernels::load(&ctx, cc)?;
+        let kernels = Kernels::load(&ctx, &info.arch)?;
         let err = HostWords::new(&ctx, launch::ERR_WORDS)?;
         // Grid cap: the job's, else the default: all blocks of up to 4 ranks sharing this
         // device must be resident at once (their flag waits spin on each other; a block that
@@ -134,24 +181,26 @@ impl CudaDevice {
             .comm_blocks
             .unwrap_or(fit / 5)
             .clamp(1, launch::MAX_BLOCKS as u32);
+        // The low-latency oneshot only where 8-byte peer stores are seen whole (Caps).
+        let ll = comm.low_latency && caps.atomic_u64_peer_stores;
         tracing::debug!(
-            "cuda device {ordinal}: {} {}, {sms} SMs, ipc {mode:?}, {comm_blocks} comm blocks, \
-             low latency {}, small-copy kernel {}",
+            "{backend} device {ordinal}: {} {}, {sms} SMs, ipc {mode:?}, {comm_blocks} comm \
+             blocks, low latency {ll}, small-copy kernel {}",
             info.name,
             info.arch,
-            comm.low_latency,
             comm.small_copy_kernel
         );
         Ok(CudaDevice {
             ordinal,
+            caps,
             mode,
             info,
             sms,
             comm_blocks: AtomicU32::new(comm_blocks),
-            ll: AtomicBool::new(comm.low_latency),
+            ll: AtomicBool::new(ll),
             small_copy_kernel: comm.small_copy_kernel,
             pdl: AtomicBool::new(false),
-            cc_major: cc.0,
+            cc_major,
             launches: AtomicU64::new(0),
             last_timeout_ns: AtomicU64::new(0),
             err,
@@ -164,18 +213,22 @@ impl CudaDevice {
         })
     }
 
-    fn resolve_mode(ctx: &Arc<CudaContext>, mode: IpcMode) -> Result<IpcMode> {
-        let supported = |a| ctx.attribute(a).map(|v| v != 0).unwrap_or(false);
-        let vmm = supported(
-            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
-        ) && supported(
-            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
-        );
+    fn resolve_mode(ctx: &Arc<GpuCtx>, mode: IpcMode) -> Result<IpcMode> {
+        let supported = |a| {
+            ctx.driver()
+                .attribute(ctx.ordinal(), a)
+                .map(|v| v != 0)
+                .unwrap_or(false)
+        };
+        // HIP's table has no VMM export (not on gfx906; Caps::vmm), whatever it reports.
+        let vmm = ctx.caps().vmm
+            && supported(Attr::VirtualMemoryManagement)
+            && supported(Attr::PosixFdHandles);
         match mode {
             IpcMode::Legacy => Ok(IpcMode::Legacy),
             IpcMode::Fd if vmm => Ok(IpcMode::Fd),
             IpcMode::Fd => Err(KernelError::Unavailable {
-                backend: "cuda",
+                backend: ctx.caps().backend,
                 why: "this device does not support VMM POSIX-fd export (use --ipc legacy)".into(),
             }),
             IpcMode::Auto => {
@@ -224,19 +277,37 @@ impl CudaDevice {
         self.ll.load(Ordering::Relaxed)
     }
 
-    /// Turns the low-latency `oneshot` on or off. Every rank of a job must agree (the two
-    /// kernels do not meet each other).
+    /// Turns the low-latency `oneshot` on or off (stays off where the runtime cannot be
+    /// trusted with it: [`CudaDevice::low_latency_supported`]). Every rank of a job must
+    /// agree (the two kernels do not meet each other).
     pub fn set_low_latency(&self, on: bool) {
         // Relaxed: a plain setting read at the next launch by the thread that queues it.
-        self.ll.store(on, Ordering::Relaxed);
+        self.ll
+            .store(on && self.low_latency_supported(), Ordering::Relaxed);
     }
 
-    /// Launches the decode kernels with programmatic dependent launch (sm_90 and newer; a
-    /// no-op request elsewhere): each may start while the one before it finishes, and waits
-    /// in-kernel (tp_pdl_wait) before reading its outputs.
+    /// Whether the low-latency `oneshot` can run here ([`Caps::atomic_u64_peer_stores`]).
+    pub fn low_latency_supported(&self) -> bool {
+        self.caps.atomic_u64_peer_stores
+    }
+
+    /// Launches the decode kernels with programmatic dependent launch (sm_90 and newer, CUDA
+    /// only; a no-op request elsewhere): each may start while the one before it finishes, and
+    /// waits in-kernel (tp_pdl_wait) before reading its outputs.
     pub fn set_pdl(&self, on: bool) {
         // Relaxed: a plain setting read at the next launch by the thread that queues it.
-        self.pdl.store(on && self.cc_major >= 9, Ordering::Relaxed);
+        self.pdl
+            .store(on && self.caps.pdl && self.cc_major >= 9, Ordering::Relaxed);
+    }
+
+    /// Whether kernels built on warp-level `mma.sync` may be picked (NVIDIA sm_80+ only).
+    pub fn mma_sync(&self) -> bool {
+        self.caps.mma_sync && self.cc_major >= 8
+    }
+
+    /// The runtime's name ("cuda", "hip").
+    pub fn backend(&self) -> &'static str {
+        self.caps.backend
     }
 
     /// (kernel, blocks per SM) of every allreduce kernel, for `tprun info` and tuning notes.
@@ -249,23 +320,21 @@ impl CudaDevice {
         Ok(self.kernels.allreduce_blocks_per_sm()? * self.sms)
     }
 
-    /// This device's stream (graph-capture tests; nothing above this crate sees raw handles).
+    /// This device's stream and driver table (graph-capture tests; nothing above this crate
+    /// sees raw handles).
     #[cfg(test)]
-    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
+    pub(crate) fn raw_stream(&self) -> (crate::driver::Stream, &dyn Driver) {
+        (self.stream.raw(), self.ctx.driver())
     }
 
+    #[inline]
     fn bind(&self) -> Result<()> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(driver_err("binding the context"))
+        self.ctx.bind()
     }
 
     /// An event for timing, recorded on the stream now.
-    fn timing_event(&self) -> Result<cudarc::driver::CudaEvent> {
-        self.stream
-            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(driver_err("cuEventRecord"))
+    fn timing_event(&self) -> Result<GpuEvent> {
+        self.stream.record(true)
     }
 
     /// [`Device::launch`] without the profiler.
@@ -294,7 +363,8 @@ impl CudaDevice {
     fn launcher(&self) -> Launcher<'_> {
         Launcher {
             ctx: &self.ctx,
-            stream: &self.stream,
+            driver: self.ctx.driver(),
+            stream: self.stream.raw(),
             kernels: &self.kernels,
             sms: self.sms,
             comm_blocks: self.comm_blocks(),
@@ -326,7 +396,7 @@ impl CudaDevice {
         for (i, chunk) in src.chunks(STAGE_BYTES).enumerate() {
             let j = i % 2;
             if let Some(ev) = st.done[j].take() {
-                ev.synchronize().map_err(driver_err("cuEventSynchronize"))?;
+                ev.sync()?;
             }
             let host = st.bufs[j]
                 .host_ptr()
@@ -341,18 +411,15 @@ impl CudaDevice {
             // src.len() bytes); `pinned` stays untouched until the event recorded below has
             // completed.
             unsafe {
-                dr::memcpy_htod_async(
-                    d + (i * STAGE_BYTES) as u64,
-                    pinned,
-                    self.stream.cu_stream(),
+                self.ctx.driver().memcpy_htod_async(
+                    DevPtr(d + (i * STAGE_BYTES) as u64),
+                    pinned.as_ptr(),
+                    pinned.len(),
+                    self.stream.raw(),
                 )
             }
-            .map_err(driver_err("cuMemcpyHtoDAsync"))?;
-            st.done[j] = Some(
-                self.stream
-                    .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                    .map_err(driver_err("cuEventRecord"))?,
-            );
+            .map_err(driver_err("host-to-device copy"))?;
+            st.done[j] = Some(self.stream.record(false)?);
         }
         Ok(())
     }
@@ -361,14 +428,14 @@ impl CudaDevice {
     fn zero(&self, buf: &CudaBuf) -> Result<()> {
         // SAFETY: the whole buffer is live device memory; we wait below.
         unsafe {
-            result::mem::memset_d8_async(
-                buf.device_ptr(),
+            self.ctx.driver().memset_d8_async(
+                DevPtr(buf.device_ptr()),
                 0,
                 buf.len().max(1),
-                self.stream.cu_stream(),
+                self.stream.raw(),
             )
         }
-        .map_err(driver_err("cuMemsetD8Async"))?;
+        .map_err(driver_err("memset"))?;
         self.sync()
     }
 
@@ -408,10 +475,12 @@ impl Drop for CudaDevice {
     fn drop(&mut self) {
         // Queued work may still use the error words and the kernels: wait for it. Never
         // panics; an error here can only be reported.
-        if self.bind().is_ok() {
-            if let Err(e) = self.stream.synchronize() {
-                tracing::warn!("cuda device {}: sync at drop: {e:?}", self.ordinal);
-            }
+        if let Err(e) = self.stream.sync() {
+            tracing::warn!(
+                "{} device {}: sync at drop: {e}",
+                self.caps.backend,
+                self.ordinal
+            );
         }
     }
 }
@@ -428,39 +497,35 @@ const STAGE_BYTES: usize = 32 << 20;
 /// from the other to the device; an event per buffer says when it may be refilled.
 struct Staging {
     bufs: [CudaBuf; 2],
-    done: [Option<cudarc::driver::CudaEvent>; 2],
+    done: [Option<GpuEvent>; 2],
 }
 
-/// A captured, instantiated CUDA graph ([`Device::capture`]). Dropping it destroys both; the
+/// A captured, instantiated graph ([`Device::capture`]). Dropping it destroys both; the
 /// caller must not drop it while a replay is queued (the model syncs first).
 pub struct CudaGraph {
-    graph: sys::CUgraph,
-    exec: sys::CUgraphExec,
+    graph: crate::driver::Graph,
+    exec: crate::driver::GraphExec,
     /// Keeps the context (and its modules' lifetime owner) alive and current-able until the
     /// graph is destroyed: a graph must go before the context its kernels live in.
-    ctx: Arc<CudaContext>,
+    ctx: Arc<GpuCtx>,
 }
-
-// SAFETY: graph handles are plain driver objects, usable from any thread of the process.
-unsafe impl Send for CudaGraph {}
 
 impl Drop for CudaGraph {
     fn drop(&mut self) {
-        if let Err(e) = self.ctx.bind_to_thread() {
-            tracing::warn!("destroying a graph: cannot bind its context: {e:?}");
-            return;
+        if let Err(e) = self.ctx.bind() {
+            tracing::warn!("destroying a graph: cannot bind its context: {e}");
         }
         // SAFETY: created by `capture`, destroyed once, in its live context; no replay is
         // pending (see above).
         unsafe {
-            let _ = dr::graph::exec_destroy(self.exec);
-            let _ = dr::graph::destroy(self.graph);
+            let _ = self.ctx.driver().graph_exec_destroy(self.exec);
+            let _ = self.ctx.driver().graph_destroy(self.graph);
         }
     }
 }
 
 /// A recorded event ([`Device::mark`]).
-pub struct CudaMark(cudarc::driver::CudaEvent);
+pub struct CudaMark(GpuEvent);
 
 impl Device for CudaDevice {
     type Buf = CudaBuf;
@@ -500,11 +565,24 @@ impl Device for CudaDevice {
         if src.len() > STAGE_MIN {
             return self.write_staged(d, src);
         }
-        // SAFETY: bounds-checked. From pageable memory the driver copies `src` to a staging
-        // buffer before returning (CUDA "API synchronization behavior"), so `src` may be
-        // reused at once; the copy is ordered on our stream with the ops.
-        unsafe { dr::memcpy_htod_async(d, src, self.stream.cu_stream()) }
-            .map_err(driver_err("cuMemcpyHtoDAsync"))
+        // SAFETY: bounds-checked. From pageable memory CUDA copies `src` to a staging buffer
+        // before returning ("API synchronization behavior"), so `src` may be reused at once;
+        // the copy is ordered on our stream with the ops. Where the runtime does not promise
+        // that (Caps::pageable_copy_staged: HIP), we wait for the copy below before `src`
+        // can change.
+        unsafe {
+            self.ctx.driver().memcpy_htod_async(
+                DevPtr(d),
+                src.as_ptr(),
+                src.len(),
+                self.stream.raw(),
+            )
+        }
+        .map_err(driver_err("host-to-device copy"))?;
+        if !self.caps.pageable_copy_staged {
+            self.stream.sync()?;
+        }
+        Ok(())
     }
 
     fn read(&self, src: &CudaBuf, offset: usize, dst: &mut [u8]) -> Result<()> {
@@ -515,8 +593,15 @@ impl Device for CudaDevice {
         self.bind()?;
         // SAFETY: bounds-checked; `dst` stays borrowed until the sync below has completed the
         // copy.
-        unsafe { dr::memcpy_dtoh_async(dst, s, self.stream.cu_stream()) }
-            .map_err(driver_err("cuMemcpyDtoHAsync"))?;
+        unsafe {
+            self.ctx.driver().memcpy_dtoh_async(
+                dst.as_mut_ptr(),
+                DevPtr(s),
+                dst.len(),
+                self.stream.raw(),
+            )
+        }
+        .map_err(driver_err("device-to-host copy"))?;
         self.sync()
     }
 
@@ -567,29 +652,36 @@ impl Device for CudaDevice {
         self.bind()?;
         // SAFETY: an instantiated graph of this context; every buffer it uses is owned by
         // whoever captured it, who keeps them alive while replays are queued.
-        unsafe { dr::graph::launch(graph.exec, self.stream.cu_stream()) }
-            .map_err(driver_err("cuGraphLaunch"))
+        unsafe {
+            self.ctx
+                .driver()
+                .graph_launch(graph.exec, self.stream.raw())
+        }
+        .map_err(driver_err("launching a graph"))
     }
 
     fn capture(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<Option<CudaGraph>> {
         self.sync()?;
-        let st = self.stream.cu_stream();
+        let drv = self.ctx.driver();
+        let st = self.stream.raw();
         // SAFETY: our live stream. Relaxed mode: other threads of this process (the output
         // forwarders, the heartbeat; nothing on the GPU) may make driver calls meanwhile.
-        unsafe {
-            dr::stream::begin_capture(st, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-        }
-        .map_err(driver_err("cuStreamBeginCapture"))?;
+        unsafe { drv.begin_capture(st) }.map_err(driver_err("beginning a stream capture"))?;
         self.capturing.store(true, Ordering::Relaxed);
         let queued = f();
         self.capturing.store(false, Ordering::Relaxed);
         // SAFETY: capture was begun above on this stream; end it even if `f` failed.
-        let graph =
-            unsafe { dr::stream::end_capture(st) }.map_err(driver_err("cuStreamEndCapture"));
-        queued?;
+        let graph = unsafe { drv.end_capture(st) }.map_err(driver_err("ending a stream capture"));
+        if let Err(e) = queued {
+            if let Ok(g) = graph {
+                // SAFETY: the (partial) graph captured above, destroyed once.
+                let _ = unsafe { drv.graph_destroy(g) };
+            }
+            return Err(e);
+        }
         let graph = graph?;
         // SAFETY: `graph` is the complete graph captured above.
-        match unsafe { dr::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) } {
+        match unsafe { drv.graph_instantiate(graph) } {
             Ok(exec) => Ok(Some(CudaGraph {
                 graph,
                 exec,
@@ -597,26 +689,20 @@ impl Device for CudaDevice {
             })),
             Err(e) => {
                 // SAFETY: created above, destroyed once.
-                let _ = unsafe { dr::graph::destroy(graph) };
-                Err(driver_err("cuGraphInstantiate")(e))
+                let _ = unsafe { drv.graph_destroy(graph) };
+                Err(driver_err("instantiating a graph")(e))
             }
         }
     }
 
     fn mark(&self) -> Result<CudaMark> {
         self.bind()?;
-        let ev = self
-            .stream
-            .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-            .map_err(driver_err("cuEventRecord"))?;
-        Ok(CudaMark(ev))
+        Ok(CudaMark(self.stream.record(false)?))
     }
 
     fn wait_mark(&self, mark: &CudaMark) -> Result<()> {
         self.bind()?;
-        mark.0
-            .synchronize()
-            .map_err(driver_err("cuEventSynchronize"))?;
+        mark.0.sync()?;
         self.take_device_error()
     }
 
@@ -627,9 +713,7 @@ impl Device for CudaDevice {
 
     fn mem_info(&self) -> Option<(u64, u64)> {
         self.bind().ok()?;
-        dr::mem_get_info()
-            .ok()
-            .map(|(free, total)| (free as u64, total as u64))
+        self.ctx.driver().mem_get_info().ok()
     }
 
     fn alloc_mapped(&self, bytes: usize) -> Result<CudaBuf> {
@@ -641,31 +725,19 @@ impl Device for CudaDevice {
     }
 
     fn sync(&self) -> Result<()> {
-        self.bind()?;
-        self.stream
-            .synchronize()
-            .map_err(driver_err("cuStreamSynchronize"))?;
+        self.stream.sync()?;
         self.take_device_error()
     }
 
-    /// Times with CUDA events around the work `f` queues (no host clock, no launch gaps
+    /// Times with GPU events around the work `f` queues (no host clock, no launch gaps
     /// before the first op).
     fn time(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<Duration> {
         self.sync()?;
-        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let start = self
-            .stream
-            .record_event(flags)
-            .map_err(driver_err("cuEventRecord"))?;
+        let start = self.stream.record(true)?;
         f()?;
-        let end = self
-            .stream
-            .record_event(flags)
-            .map_err(driver_err("cuEventRecord"))?;
+        let end = self.stream.record(true)?;
         self.sync()?;
-        let ms = start
-            .elapsed_ms(&end)
-            .map_err(driver_err("cuEventElapsedTime"))?;
+        let ms = start.elapsed_ms(&end)?;
         Ok(Duration::from_secs_f64(f64::from(ms) / 1e3))
     }
 }
@@ -678,7 +750,7 @@ fn poisoned(what: &str) -> KernelError {
 /// event pair is read only once the stream has passed it).
 #[derive(Default)]
 struct Profiler {
-    pending: Vec<(String, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>,
+    pending: Vec<(String, GpuEvent, GpuEvent)>,
     totals: std::collections::BTreeMap<String, (u64, f64)>,
 }
 
@@ -687,12 +759,7 @@ impl Profiler {
     /// the last one: at most one stall per this many ops).
     const BATCH: usize = 4096;
 
-    fn push(
-        &mut self,
-        label: String,
-        start: cudarc::driver::CudaEvent,
-        end: cudarc::driver::CudaEvent,
-    ) -> Result<()> {
+    fn push(&mut self, label: String, start: GpuEvent, end: GpuEvent) -> Result<()> {
         self.pending.push((label, start, end));
         if self.pending.len() >= Self::BATCH {
             self.drain()?;
@@ -702,13 +769,10 @@ impl Profiler {
 
     fn drain(&mut self) -> Result<()> {
         if let Some((_, _, last)) = self.pending.last() {
-            last.synchronize()
-                .map_err(driver_err("cuEventSynchronize"))?;
+            last.sync()?;
         }
         for (label, start, end) in self.pending.drain(..) {
-            let ms = start
-                .elapsed_ms(&end)
-                .map_err(driver_err("cuEventElapsedTime"))?;
+            let ms = start.elapsed_ms(&end)?;
             let t = self.totals.entry(label).or_insert((0, 0.0));
             t.0 += 1;
             t.1 += f64::from(ms) / 1e3;

@@ -16,13 +16,12 @@ use super::ops_gemv::overlap;
 use super::program::Module;
 use super::selftest::Rng;
 use super::twin::{self, Buf, Tol, TwinCase};
-use super::{driver_err, CudaDevice, SelftestResult};
+use super::{CudaDevice, SelftestResult};
 use crate::cpu::CpuDevice;
 use crate::device::{Op, View};
 use crate::int4::{Int4Host, PACK};
 use crate::ops::{MatmulInt4, Prologue};
 use crate::{DType, KernelError, Result};
-use cudarc::driver::result as dr;
 
 /// The kernels of gemv_q4.cu, in the order the launcher indexes them: [`kernel_index`].
 pub(crate) const NAMES: &[&str] = &[
@@ -194,16 +193,7 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
         Some((index, threads, rows)) => {
             // A persistent grid: as many blocks as fit at once, each walking batches of rows.
             let f = l.kernels.func(Module::GemvQ4, index);
-            // SAFETY: `f` belongs to a loaded module.
-            let per_sm = unsafe {
-                dr::occupancy::max_active_block_per_multiprocessor(
-                    f.cu_function(),
-                    threads as i32,
-                    0,
-                )
-            }
-            .map_err(driver_err("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?
-            .max(1) as usize;
+            let per_sm = l.kernels.occupancy(f, threads)?.max(1) as usize;
             let batches = a.n.div_ceil(rows);
             Plan {
                 index,

@@ -1,13 +1,16 @@
-//! What the machine has: are the CUDA libraries there, which devices, who can reach whom.
+//! What the machine has: are the CUDA libraries there, which devices (of either runtime,
+//! through the driver table), who can reach whom.
 //!
 //! Owns: the presence checks that must run before any cudarc call (cudarc's run-time loader
-//! panics when a library is missing), [`probe`] and [`peer_matrix`] for `tprun info`.
+//! panics when a library is missing), [`probe_with`] and [`peer_matrix_with`] for `tprun
+//! info` (and their CUDA shorthands [`probe`], [`peer_matrix`]).
 //! Must not: create contexts that outlive a call.
 
 use cudarc::driver::{result as dr, sys};
 
-use super::{driver_err, result};
+use super::{driver_err, Gpu};
 use crate::device::DeviceInfo;
+use crate::driver::Driver;
 use crate::{KernelError, Result};
 
 /// True when libcuda can be loaded (cudarc's own candidate names).
@@ -38,75 +41,102 @@ pub(crate) fn init() -> Result<()> {
 
 /// Number of visible CUDA devices (0 when there is no driver or no device).
 pub fn device_count() -> usize {
-    if init().is_err() {
-        return 0;
-    }
-    dr::device::get_count().map_or(0, |n| n.max(0) as usize)
+    Gpu::Cuda
+        .driver()
+        .and_then(|d| d.device_count().map_err(Into::into))
+        .unwrap_or(0)
 }
 
-fn info_of(ordinal: usize) -> Result<DeviceInfo> {
-    let dev = dr::device::get(ordinal as i32).map_err(driver_err("cuDeviceGet"))?;
-    let attr = |a| {
-        // SAFETY: `dev` is a valid handle of an initialised driver.
-        unsafe { dr::device::get_attribute(dev, a) }.map_err(driver_err("cuDeviceGetAttribute"))
-    };
-    let major = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
-    let minor = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-    let name = dr::device::get_name(dev).map_err(driver_err("cuDeviceGetName"))?;
-    // SAFETY: as above.
-    let memory = unsafe { dr::device::total_mem(dev) }.map_err(driver_err("cuDeviceTotalMem"))?;
-    let uuid = dr::device::get_uuid(dev).map_err(driver_err("cuDeviceGetUuid"))?;
-    let u: Vec<u8> = uuid.bytes.iter().map(|&b| b as u8).collect();
-    // SAFETY: as above.
-    let pci = unsafe { result::device::pci_bus_id(dev) }.unwrap_or_default();
+/// What `tprun info` shows of device `ordinal`. The UUID is read with a fallback (all zeros:
+/// some HIP runtimes have no `hipDeviceGetUuid` answer for some boards); the PCI bus id beside
+/// it still tells devices apart.
+pub(crate) fn info_of(driver: &dyn Driver, ordinal: usize) -> Result<DeviceInfo> {
+    let arch = driver
+        .device_arch(ordinal)
+        .map_err(driver_err("reading the architecture"))?;
+    let name = driver
+        .device_name(ordinal)
+        .map_err(driver_err("reading the name"))?;
+    let memory = driver
+        .total_mem(ordinal)
+        .map_err(driver_err("reading the memory size"))?;
+    let u = driver.uuid(ordinal).unwrap_or_default();
+    let pci = driver.pci_bus_id(ordinal).unwrap_or_default();
     Ok(DeviceInfo {
-        backend: "cuda".into(),
+        backend: driver.caps().backend.into(),
         ordinal,
         name,
-        memory: memory as u64,
-        arch: format!("sm_{major}{minor}"),
+        memory,
+        arch,
         // nvidia-smi's spelling, plus the PCI bus id: "GPU-xxxxxxxx-xxxx-... (0000:3b:00.0)".
-        uuid: format!(
-            "GPU-{}-{}-{}-{}-{} ({pci})",
-            hex(&u[0..4]),
-            hex(&u[4..6]),
-            hex(&u[6..8]),
-            hex(&u[8..10]),
-            hex(&u[10..16])
-        ),
+        uuid: format_uuid(&u, &pci),
     })
+}
+
+/// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx (PCI bus id)".
+fn format_uuid(u: &[u8; 16], pci: &str) -> String {
+    format!(
+        "GPU-{}-{}-{}-{}-{} ({pci})",
+        hex(&u[0..4]),
+        hex(&u[4..6]),
+        hex(&u[6..8]),
+        hex(&u[8..10]),
+        hex(&u[10..16])
+    )
 }
 
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// Every visible CUDA device (name, memory, `sm_XY`, UUID and PCI bus id).
-/// `Unavailable` when there is no driver; an empty list when there is a driver but no device.
-pub fn probe() -> Result<Vec<DeviceInfo>> {
-    init()?;
-    let n = dr::device::get_count().map_err(driver_err("cuDeviceGetCount"))?;
-    (0..n.max(0) as usize).map(info_of).collect()
+/// Every visible device of `driver`'s runtime (name, memory, arch, UUID and PCI bus id).
+pub fn probe_with(driver: &dyn Driver) -> Result<Vec<DeviceInfo>> {
+    let n = driver
+        .device_count()
+        .map_err(driver_err("counting devices"))?;
+    (0..n).map(|i| info_of(driver, i)).collect()
 }
 
-/// `m[i][j]`: device i can map device j's memory directly (`cuDeviceCanAccessPeer`; the
-/// diagonal is true). Ranks on devices without peer access cannot use oneshot/twoshot.
-pub fn peer_matrix() -> Result<Vec<Vec<bool>>> {
-    init()?;
-    let n = dr::device::get_count()
-        .map_err(driver_err("cuDeviceGetCount"))?
-        .max(0);
-    let devs = (0..n)
-        .map(|i| dr::device::get(i).map_err(driver_err("cuDeviceGet")))
-        .collect::<Result<Vec<_>>>()?;
-    let mut m = vec![vec![false; devs.len()]; devs.len()];
-    for (i, &a) in devs.iter().enumerate() {
-        for (j, &b) in devs.iter().enumerate() {
-            m[i][j] = i == j
-                // SAFETY: valid handles of an initialised driver.
-                || unsafe { result::device::can_access_peer(a, b) }
-                    .map_err(driver_err("cuDeviceCanAccessPeer"))?;
+/// Every visible CUDA device. `Unavailable` when there is no driver; an empty list when there
+/// is a driver but no device.
+pub fn probe() -> Result<Vec<DeviceInfo>> {
+    probe_with(&*Gpu::Cuda.driver()?)
+}
+
+/// `m[i][j]`: device i can map device j's memory directly (`cuDeviceCanAccessPeer`,
+/// `hipDeviceCanAccessPeer`; the diagonal is true). Ranks on devices without peer access
+/// cannot use oneshot/twoshot.
+pub fn peer_matrix_with(driver: &dyn Driver) -> Result<Vec<Vec<bool>>> {
+    let n = driver
+        .device_count()
+        .map_err(driver_err("counting devices"))?;
+    let mut m = vec![vec![false; n]; n];
+    for (i, row) in m.iter_mut().enumerate() {
+        for (j, cell) in row.iter_mut().enumerate() {
+            *cell = i == j
+                || driver
+                    .can_access_peer(i, j)
+                    .map_err(driver_err("asking for peer access"))?;
         }
     }
     Ok(m)
+}
+
+/// [`peer_matrix_with`] for CUDA.
+pub fn peer_matrix() -> Result<Vec<Vec<bool>>> {
+    peer_matrix_with(&*Gpu::Cuda.driver()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uuids_read_as_nvidia_smi_spells_them() {
+        let u: [u8; 16] = std::array::from_fn(|i| i as u8);
+        assert_eq!(
+            format_uuid(&u, "0000:3b:00.0"),
+            "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f (0000:3b:00.0)"
+        );
+    }
 }

@@ -1,11 +1,13 @@
-//! Run-time compilation of `kernels/src/gpu/*.cu` with NVRTC, cached on disk.
+//! Run-time compilation of `kernels/src/gpu/*.cu` with NVRTC (and the cache that hiprtc's
+//! builds share, [`binary_in`]), cached on disk.
 //!
 //! Owns: the embedded sources, include expansion, the cache key and the cache directory.
 //! Must not: load modules or launch anything (that is [`super::launch`]).
 //!
 //! Cache: `$TPRUN_KERNEL_CACHE`, else `$XDG_CACHE_HOME/tprun/kernels`, else
-//! `~/.cache/tprun/kernels`; one file `NAME-HASH-sm_XY-nvrtcA.B.cubin` per (source after
-//! include expansion, architecture, NVRTC version). A file is written unnamed (`O_TMPFILE`)
+//! `~/.cache/tprun/kernels`; one file `NAME-HASH-ARCH-COMPILER.EXT` per (source after include
+//! expansion, architecture, compiler and its version): `reduce-…-sm_90-nvrtc12.8.cubin`,
+//! `reduce-…-gfx90a-hiprtc5.2.hsaco`. A file is written unnamed (`O_TMPFILE`)
 //! and named only once complete ([`store`]), so that ranks compiling the same source at once
 //! never read a half-written file and a process killed mid-write leaves nothing (on a file
 //! system without `O_TMPFILE`, a temporary name and a rename: a kill between them leaves
@@ -115,16 +117,42 @@ pub(crate) fn nvrtc_version() -> Result<(i32, i32)> {
     unsafe { result::nvrtc::version() }.map_err(|e| KernelError::Backend(format!("nvrtc: {e:?}")))
 }
 
-/// Machine code of module `name` for `sm_{major}{minor}`, from the cache or freshly compiled.
-pub(crate) fn cubin(name: &str, src: &str, (major, minor): (i32, i32)) -> Result<Vec<u8>> {
+/// Machine code of module `name` for `arch` ("sm_90"), from the cache or freshly compiled.
+pub(crate) fn cubin(name: &str, src: &str, arch: &str) -> Result<Vec<u8>> {
     let (va, vb) = nvrtc_version()?;
-    let full = expand(src);
-    let arch = format!("sm_{major}{minor}");
-    let file = format!(
-        "{name}-{:016x}-{arch}-nvrtc{va}.{vb}.cubin",
+    binary_in(
+        cache_dir(),
+        name,
+        src,
+        arch,
+        &format!("nvrtc{va}.{vb}"),
+        "cubin",
+        |full| compile(name, full, arch),
+    )
+}
+
+/// The cache file name of module `name` (`full`: its source after include expansion).
+pub(crate) fn cache_file(name: &str, full: &str, arch: &str, compiler: &str, ext: &str) -> String {
+    format!(
+        "{name}-{:016x}-{arch}-{compiler}.{ext}",
         fnv1a64(full.as_bytes())
-    );
-    let dir = cache_dir();
+    )
+}
+
+/// Machine code of module `name` (source `src`, includes not yet expanded) for `arch` by
+/// `compiler` ("nvrtc12.8", "hiprtc5.2"): the file `NAME-HASH-ARCH-COMPILER.EXT` in `dir`
+/// where it is there, else `compile(expanded source)`, stored there (`dir` None: no cache).
+pub(crate) fn binary_in<E>(
+    dir: Option<PathBuf>,
+    name: &str,
+    src: &str,
+    arch: &str,
+    compiler: &str,
+    ext: &str,
+    compile: impl FnOnce(&str) -> std::result::Result<Vec<u8>, E>,
+) -> std::result::Result<Vec<u8>, E> {
+    let full = expand(src);
+    let file = cache_file(name, &full, arch, compiler, ext);
     if let Some(path) = dir.as_ref().map(|d| d.join(&file)) {
         if let Ok(bytes) = std::fs::read(&path) {
             if !bytes.is_empty() {
@@ -132,7 +160,7 @@ pub(crate) fn cubin(name: &str, src: &str, (major, minor): (i32, i32)) -> Result
             }
         }
     }
-    let bin = compile(name, &full, &arch)?;
+    let bin = compile(&full)?;
     if let Some(dir) = dir {
         if let Err(e) = store(&dir, &file, &bin) {
             tracing::debug!("not caching {file} in {}: {e}", dir.display());
@@ -256,6 +284,54 @@ mod tests {
             .any(|l| l.trim_start().starts_with("#include \"")));
         assert_eq!(full.matches("TP_DEV float tp_f16_to_f32").count(), 1);
         assert!(full.contains("TP_ALLREDUCE(oneshot, f32, F32)"));
+    }
+
+    #[test]
+    fn cache_names_say_source_arch_and_compiler() {
+        let f = cache_file("comm", "x", "gfx90a", "hiprtc5.2", "hsaco");
+        assert_eq!(
+            f,
+            format!("comm-{:016x}-gfx90a-hiprtc5.2.hsaco", fnv1a64(b"x"))
+        );
+        let dir = std::env::temp_dir().join(format!("tprun-binary-in-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let built = |_: &str| Ok::<_, ()>(b"code".to_vec());
+        let a = binary_in(
+            Some(dir.clone()),
+            "m",
+            "src",
+            "sm_90",
+            "nvrtc12.8",
+            "cubin",
+            built,
+        );
+        // The second build is the cache's: its compile is never called.
+        let b = binary_in(
+            Some(dir.clone()),
+            "m",
+            "src",
+            "sm_90",
+            "nvrtc12.8",
+            "cubin",
+            |_| Err(()),
+        );
+        let names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(a, Ok(b"code".to_vec()));
+        assert_eq!(b, a);
+        assert_eq!(
+            names,
+            [cache_file(
+                "m",
+                &expand("src"),
+                "sm_90",
+                "nvrtc12.8",
+                "cubin"
+            )]
+        );
     }
 
     #[test]

@@ -11,13 +11,14 @@
 //! cannot open its own IPC handles, so ranks use the peers' buffers directly, and the legacy
 //! import is left to the cross-process tests.
 
-use std::sync::Barrier;
+use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use super::{CudaBuf, CudaDevice, IpcMode};
-use crate::comm::{AllreduceArgs, CommAlgo, CommLayout, SIGNAL_BYTES};
+use super::{CudaBuf, CudaDevice, Gpu, IpcMode};
+use crate::comm::{AllreduceArgs, CommAlgo, CommLayout, CommSettings, SIGNAL_BYTES};
 use crate::cpu::{CpuBuf, CpuDevice};
 use crate::device::{Device, Op, View};
+use crate::driver::Driver;
 use crate::dtype::encode;
 use crate::{DType, KernelError, Result};
 
@@ -183,14 +184,16 @@ pub struct LocalWorld {
 }
 
 impl LocalWorld {
+    /// `world` ranks on device `ordinal` of `driver`'s runtime ([`super::Gpu::driver`]).
     pub fn new(
+        driver: &Arc<dyn Driver>,
         ordinal: usize,
         mode: IpcMode,
         world: usize,
         max_bytes: usize,
     ) -> Result<LocalWorld> {
         let devs = (0..world)
-            .map(|_| CudaDevice::new(ordinal, mode))
+            .map(|_| CudaDevice::open_with(driver.clone(), ordinal, mode, &CommSettings::default()))
             .collect::<Result<Vec<_>>>()?;
         let layout = CommLayout::new(max_bytes, world);
         let mut own = Vec::new();
@@ -339,7 +342,7 @@ impl LocalWorld {
                     let barrier = &barrier;
                     s.spawn(move || -> Result<(Vec<f32>, Vec<f32>)> {
                         let dev = &this.devs[r];
-                        let bufs = (|| {
+                        let bufs = (|| -> Result<_> {
                             let (d, x, wb, o) = (
                                 dev.alloc(n * 4)?,
                                 dev.alloc(n * 4)?,
@@ -491,14 +494,16 @@ pub fn allreduce_sizes() -> Vec<usize> {
     ]
 }
 
-/// Runs every GPU op on device `ordinal` against its CPU twin: copies between all dtypes,
-/// reduce_sum of 1..=5 inputs, and allreduce (oneshot with and without the low-latency kernel,
-/// twoshot, the host algorithm's reduce) for 1..=4 ranks of this process
-/// (see the module docs), f32/f16/bf16, many sizes. `Unavailable` when there is no GPU.
-pub fn selftest(ordinal: usize, mode: IpcMode, seed: u64) -> Result<Vec<SelftestResult>> {
+/// Runs every GPU op on device `ordinal` of runtime `gpu` against its CPU twin: copies
+/// between all dtypes, reduce_sum of 1..=5 inputs, and allreduce (oneshot with and without the
+/// low-latency kernel, where the runtime has it; twoshot, the host algorithm's reduce) for
+/// 1..=4 ranks of this process (see the module docs), f32/f16/bf16, many sizes.
+/// `Unavailable` when there is no GPU.
+pub fn selftest(gpu: Gpu, ordinal: usize, mode: IpcMode, seed: u64) -> Result<Vec<SelftestResult>> {
     let mut out = Vec::new();
     let mut rng = Rng::new(seed);
-    let dev = CudaDevice::new(ordinal, mode)?;
+    let driver = gpu.driver()?;
+    let dev = CudaDevice::open_with(driver.clone(), ordinal, mode, &CommSettings::default())?;
 
     // Copy: every dtype pair, a wide exponent range (f16 subnormals, overflow to inf).
     for src in DType::ALL {
@@ -580,7 +585,7 @@ pub fn selftest(ordinal: usize, mode: IpcMode, seed: u64) -> Result<Vec<Selftest
     // runs in another order).
     for world in 1..=4usize {
         for n in [1usize, 7, 1000, 4096, 8192] {
-            let mut w = LocalWorld::new(ordinal, mode, world, n * 4)?;
+            let mut w = LocalWorld::new(&driver, ordinal, mode, world, n * 4)?;
             let vals = |rng: &mut Rng, k: usize| -> Vec<f32> {
                 (0..k).map(|_| rng.value(-6..=1)).collect()
             };
@@ -654,7 +659,7 @@ pub fn selftest(ordinal: usize, mode: IpcMode, seed: u64) -> Result<Vec<Selftest
     let sizes = allreduce_sizes();
     let max_bytes = sizes.iter().max().unwrap() * 4;
     for world in 1..=4usize {
-        let mut w = LocalWorld::new(ordinal, mode, world, max_bytes)?;
+        let mut w = LocalWorld::new(&driver, ordinal, mode, world, max_bytes)?;
         // A broken protocol fails every call after waiting out the timeout: give up on this
         // world after a few failures rather than spend minutes proving it.
         let mut failed = 0;
@@ -665,6 +670,11 @@ pub fn selftest(ordinal: usize, mode: IpcMode, seed: u64) -> Result<Vec<Selftest
             (CommAlgo::HostReduce, false, "host"),
         ];
         for (algo, ll, name) in algos {
+            // Where the runtime cannot run the low-latency kernel (Caps), its rows would
+            // repeat the flags rows: left out.
+            if ll && !w.devs[0].low_latency_supported() {
+                continue;
+            }
             for d in &w.devs {
                 d.set_low_latency(ll);
             }
@@ -714,6 +724,11 @@ pub fn selftest(ordinal: usize, mode: IpcMode, seed: u64) -> Result<Vec<Selftest
 pub(crate) mod tests {
     use super::*;
 
+    /// The CUDA driver table (only called after gpu_or_skip found a GPU).
+    fn cuda() -> Arc<dyn Driver> {
+        Gpu::Cuda.driver().expect("a CUDA driver")
+    }
+
     /// None when the test should be skipped (no GPU), after saying so; panics instead when
     /// TPRUN_REQUIRE_GPU=1.
     pub(crate) fn gpu_or_skip() -> Option<()> {
@@ -754,7 +769,7 @@ pub(crate) mod tests {
         if gpu_or_skip().is_none() {
             return;
         }
-        let res = selftest(0, IpcMode::Fd, 0x0074_7072_756e).unwrap();
+        let res = selftest(Gpu::Cuda, 0, IpcMode::Fd, 0x0074_7072_756e).unwrap();
         let bad: Vec<_> = res.iter().filter(|r| !r.ok).collect();
         println!("selftest: {} checks, {} failed", res.len(), bad.len());
         for b in &bad {
@@ -770,7 +785,7 @@ pub(crate) mod tests {
         if gpu_or_skip().is_none() {
             return;
         }
-        let mut w = LocalWorld::new(0, IpcMode::Legacy, 3, 1 << 16).unwrap();
+        let mut w = LocalWorld::new(&cuda(), 0, IpcMode::Legacy, 3, 1 << 16).unwrap();
         let mut rng = Rng::new(3);
         for algo in [CommAlgo::Oneshot, CommAlgo::Twoshot] {
             for n in [1usize, 77, 4099] {
@@ -792,7 +807,7 @@ pub(crate) mod tests {
         if gpu_or_skip().is_none() {
             return;
         }
-        let w = LocalWorld::new(0, IpcMode::Auto, 1, 4096).unwrap();
+        let w = LocalWorld::new(&cuda(), 0, IpcMode::Auto, 1, 4096).unwrap();
         let dev = &w.devs[0];
         let data = dev.alloc(64).unwrap();
         let comm = w.comm_of(0);
@@ -825,7 +840,7 @@ pub(crate) mod tests {
         if gpu_or_skip().is_none() {
             return;
         }
-        let w = LocalWorld::new(0, IpcMode::Auto, 2, 4096).unwrap();
+        let w = LocalWorld::new(&cuda(), 0, IpcMode::Auto, 2, 4096).unwrap();
         let dev = &w.devs[0];
         let data = dev.alloc(64).unwrap();
         let comm = w.comm_of(0);
@@ -874,14 +889,13 @@ pub(crate) mod tests {
     /// the epoch after the replays).
     #[test]
     fn captured_allreduce_replays_with_fresh_epochs() {
-        use cudarc::driver::{result as dr, sys};
         if gpu_or_skip().is_none() {
             return;
         }
         let world = 2;
         let n = 3001;
         let dtype = DType::F32;
-        let w = LocalWorld::new(0, IpcMode::Auto, world, n * 4).unwrap();
+        let w = LocalWorld::new(&cuda(), 0, IpcMode::Auto, world, n * 4).unwrap();
         let replays = 3u32;
         let mut rng = Rng::new(11);
         let inputs: Vec<Vec<Vec<u8>>> = (0..=replays)
@@ -910,28 +924,20 @@ pub(crate) mod tests {
                             add_norm: None,
                         })
                     };
-                    let st = dev.stream().cu_stream();
+                    let (st, drv) = dev.raw_stream();
                     // SAFETY: our live stream; relaxed mode because peer threads make
                     // unrelated driver calls meanwhile.
-                    unsafe {
-                        dr::stream::begin_capture(
-                            st,
-                            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
-                        )
-                    }
-                    .unwrap();
+                    unsafe { drv.begin_capture(st) }.unwrap();
                     // The epoch given here is frozen into the graph and must be ignored.
                     dev.run(&op(1)).unwrap();
                     // SAFETY: capture begun above on this stream.
-                    let graph = unsafe { dr::stream::end_capture(st) }.unwrap();
+                    let graph = unsafe { drv.end_capture(st) }.unwrap();
                     // SAFETY: a complete graph of one kernel node.
-                    let exec =
-                        unsafe { dr::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }
-                            .unwrap();
+                    let exec = unsafe { drv.graph_instantiate(graph) }.unwrap();
                     for input in inputs.iter().take(replays as usize) {
                         dev.write(&data, 0, &input[r]).unwrap();
                         // SAFETY: instantiated above; its buffers are alive until the sync.
-                        unsafe { dr::graph::launch(exec, st) }.unwrap();
+                        unsafe { drv.graph_launch(exec, st) }.unwrap();
                         dev.sync().unwrap();
                         barrier.wait();
                     }
@@ -949,8 +955,8 @@ pub(crate) mod tests {
                     barrier.wait();
                     // SAFETY: no launch of them is pending (synced above); destroyed once.
                     unsafe {
-                        dr::graph::exec_destroy(exec).unwrap();
-                        dr::graph::destroy(graph).unwrap();
+                        drv.graph_exec_destroy(exec).unwrap();
+                        drv.graph_destroy(graph).unwrap();
                     }
                 });
             }
@@ -1009,7 +1015,7 @@ pub(crate) mod tests {
             &[(1, None), (1, Some(128)), (2, None), (4, None)]
         };
         for &(world, cap) in cases {
-            let mut w = LocalWorld::new(0, IpcMode::Auto, world, 64 << 20).unwrap();
+            let mut w = LocalWorld::new(&cuda(), 0, IpcMode::Auto, world, 64 << 20).unwrap();
             if let Some(c) = cap {
                 w.devs.iter().for_each(|d| d.set_comm_blocks(c));
             }
