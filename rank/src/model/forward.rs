@@ -426,8 +426,9 @@ pub struct Model<D: Device> {
     /// The captured single-token step, and the allreduces it holds.
     graph: Option<(D::Graph, u32, SampleParams)>,
     /// The captured forward of a batched decode step ([`Model::step_batch`] without prompts),
-    /// one per row count (at most the prefill chunk), and the allreduces each holds.
-    batch_graphs: std::collections::HashMap<usize, (D::Graph, u32)>,
+    /// one per row count (at most the prefill chunk), and the allreduces each holds; `None`
+    /// where the capture failed or the device has no graphs (those steps run directly).
+    batch_graphs: std::collections::HashMap<usize, Option<(D::Graph, u32)>>,
 }
 
 /// Per-token statistics of [`Model::decode`].
@@ -448,7 +449,7 @@ impl<D: Device> Drop for Model<D> {
         // was released is a use-after-free in the driver, which hung the first H200 run at
         // exit. And not while a replay of it is queued (an error can leave one queued): wait
         // for the device before. Never panics; a failure can only be logged.
-        if self.graph.is_some() || !self.batch_graphs.is_empty() {
+        if self.graph.is_some() || self.batch_graphs.values().any(Option::is_some) {
             if let Err(e) = self.dev.sync() {
                 tracing::warn!("model drop: device sync: {e}");
             }
@@ -1144,21 +1145,28 @@ impl<D: Device> Model<D> {
                             RankError::Kernel(k) => k,
                             other => tprun_kernels::KernelError::Backend(other.to_string()),
                         })
-                })?
+                })
             };
             // Capturing queued nothing: the communicator's epochs did not move.
             let held = comm.epoch().wrapping_sub(e0);
             comm.set_epoch(e0);
-            if let Some(g) = captured {
-                self.batch_graphs.insert(m, (g, held));
-            }
+            // A failed capture costs only speed: such steps run directly (and report any
+            // error that is not the capture's own).
+            let graph = match captured {
+                Ok(g) => g.map(|g| (g, held)),
+                Err(e) => {
+                    tracing::warn!("step_batch: {m} rows run without a graph: {e}");
+                    None
+                }
+            };
+            self.batch_graphs.insert(m, graph);
         }
         match self.batch_graphs.get(&m).filter(|_| capturable) {
-            Some((g, held)) => {
+            Some(Some((g, held))) => {
                 self.dev.replay(g)?;
                 comm.set_epoch(comm.epoch().wrapping_add(*held));
             }
-            None => self.forward(comm, &self.batch_rows(m), Logits::First(n + p), true)?,
+            _ => self.forward(comm, &self.batch_rows(m), Logits::First(n + p), true)?,
         }
         let step = &self.step;
         let params = rows
