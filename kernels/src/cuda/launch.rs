@@ -275,6 +275,8 @@ pub(crate) struct Launcher<'a> {
     /// Decode kernels launched with programmatic stream serialization (sm_90+; every decode
     /// kernel calls tp_pdl_wait() before reading what an earlier kernel wrote).
     pub pdl: bool,
+    /// Whether the tensor-core kernels may run (sm_80+: mma.sync with bf16).
+    pub mma: bool,
     /// Kernel launches so far on this device (`Device::launches`).
     pub launches: &'a std::sync::atomic::AtomicU64,
 }

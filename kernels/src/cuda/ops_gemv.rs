@@ -59,6 +59,12 @@ pub(crate) const NAMES: &[&str] = &[
     "gemm_glu_f32",
     "gemm_glu_f16",
     "gemm_glu_bf16",
+    "gemm16_tc_bf16",
+    "gemm16_tc_norm_bf16",
+    "gemm16_tc_glu_bf16",
+    "gemm32_tc_bf16",
+    "gemm32_tc_norm_bf16",
+    "gemm32_tc_glu_bf16",
 ];
 
 /// What a kernel does around the product (gemv.cu TP_ACT_*): a [`Matmul`]'s prologue on x,
@@ -104,6 +110,13 @@ const WAVE: u32 = 32;
 const MAX_WAVES: usize = 4;
 /// CUDA's limit on gridDim.y; the kernel loops over the row groups beyond it.
 const MAX_GRID_Y: usize = 65535;
+/// First of the tensor-core kernels in [`NAMES`] (gemv.cu `gemm_tc`): 3 · family (16, 32
+/// tokens per tile) + act (none, norm, glu).
+const TC_BASE: usize = 36;
+/// Warps per block of the tensor-core kernels, splitting k (gemv.cu TP_TC_WARPS).
+const TC_WARPS: u32 = 8;
+/// 16-row mma tiles per block of the tensor-core kernels (gemv.cu TP_TC_TILES).
+const TC_TILES: usize = 2;
 
 /// gemv.cu `struct GemvParams`, passed by value.
 #[repr(C)]
@@ -183,6 +196,38 @@ fn plan(m: usize, n: usize, act: Act, dtype: DType, sms: u32) -> Result<Plan> {
         index,
         grid,
         block: waves as u32 * WAVE,
+    })
+}
+
+/// The tensor-core kernel for a batch of bf16 products, where one applies: m > 4 (below, the
+/// SIMT kernels' few tokens per weight load already keep up with HBM), sm_80+ (`mma`), the
+/// 16-byte path (`vec`), and no SiluMul prologue (int4's down_proj input; dense models take the
+/// epilogue instead). Tiles of 16 tokens up to m = 16, else of 32, along grid x; blocks of
+/// [`TC_TILES`] · 16 rows (8 outputs per tile with the epilogue) along y.
+fn tc_plan(m: usize, n: usize, act: Act, dtype: DType, mma: bool, vec: bool) -> Option<Plan> {
+    if !(mma && vec && dtype == DType::BF16 && m > TOKENS_SMALL) {
+        return None;
+    }
+    let a = match act {
+        Act::None => 0,
+        Act::Norm => 1,
+        Act::Glu => 2,
+        Act::Silu => return None,
+    };
+    let (family, tile) = if m <= 16 { (0, 16) } else { (1, 32) };
+    let outs = match act {
+        Act::Glu => n / 2,
+        _ => n,
+    };
+    let per_block = TC_TILES * if act == Act::Glu { 8 } else { 16 };
+    Some(Plan {
+        index: TC_BASE + 3 * family + a,
+        grid: (
+            m.div_ceil(tile) as u32,
+            outs.div_ceil(per_block).min(MAX_GRID_Y) as u32,
+            1,
+        ),
+        block: TC_WARPS * WAVE,
     })
 }
 
@@ -297,7 +342,10 @@ fn gemv(
     let vec = k.is_multiple_of(pack)
         && wa.is_multiple_of(16)
         && [xa, da, na, oa].iter().all(|a| a.is_multiple_of(16));
-    let p = plan(m, n, act, w.dtype, l.sms)?;
+    let p = match tc_plan(m, n, act, w.dtype, l.mma, vec) {
+        Some(p) => p,
+        None => plan(m, n, act, w.dtype, l.sms)?,
+    };
     let mut params = GemvParams {
         x: xa,
         w: wa,
@@ -616,6 +664,13 @@ fn specs() -> Vec<Spec> {
     v.push(spec(16, 512, 1000, DType::BF16, true, glu, 0));
     v.push(spec(19, 512, 1000, DType::F16, true, silu, 0));
     v.push(spec(19, 512, 1000, DType::BF16, true, norm, 0));
+    // The tensor-core kernels (bf16, m > 4, aligned; the m = 9 cases above take them too):
+    // partial tiles of 16 and of 32 tokens, n not a whole block, k not a whole step (1000 =
+    // 31 steps of 32 and one of 8), several tiles along x.
+    v.push(spec(16, 1000, 520, DType::BF16, false, none, 0));
+    v.push(spec(40, 1024, 264, DType::BF16, true, glu, 0));
+    v.push(spec(33, 2048, 100, DType::BF16, false, norm, 0));
+    v.push(spec(64, 512, 1000, DType::BF16, true, none, 0));
     v
 }
 
@@ -640,6 +695,42 @@ mod tests {
             }
         }
         assert!(kernel_index(1, Act::None, DType::U32).is_err());
+        for (m, fp) in [
+            (5usize, "gemm16"),
+            (16, "gemm16"),
+            (17, "gemm32"),
+            (64, "gemm32"),
+        ] {
+            for (act, pp) in [(Act::None, ""), (Act::Norm, "_norm"), (Act::Glu, "_glu")] {
+                let p = tc_plan(m, 64, act, DType::BF16, true, true).unwrap();
+                assert_eq!(NAMES[p.index], format!("{fp}_tc{pp}_bf16"));
+            }
+        }
+        assert_eq!(NAMES.len(), TC_BASE + 6);
+    }
+
+    /// The tensor-core kernels run only where they apply: bf16, m > 4, aligned, sm_80+, no
+    /// prologue; tiles and row blocks as gemv.cu maps them.
+    #[test]
+    fn tc_plan_applies_only_where_it_can() {
+        let bf = DType::BF16;
+        assert!(tc_plan(4, 4096, Act::None, bf, true, true).is_none());
+        assert!(tc_plan(16, 4096, Act::None, DType::F16, true, true).is_none());
+        assert!(tc_plan(16, 4096, Act::None, bf, false, true).is_none());
+        assert!(tc_plan(16, 4096, Act::None, bf, true, false).is_none());
+        assert!(tc_plan(16, 4096, Act::Silu, bf, true, true).is_none());
+        // [4096, 4096] at m = 16: one tile, 4096 / 32 row blocks of 8 warps.
+        let p = tc_plan(16, 4096, Act::None, bf, true, true).unwrap();
+        assert_eq!((p.grid, p.block), ((1, 128, 1), 256));
+        // gate|up [28672, 4096] with the epilogue at m = 64: 2 tiles of 32, 14336 outputs in
+        // blocks of 16.
+        let p = tc_plan(64, 28672, Act::Glu, bf, true, true).unwrap();
+        assert_eq!(p.grid, (2, 896, 1));
+        // A partial block: 37 rows in 2 blocks of 32.
+        assert_eq!(
+            tc_plan(9, 37, Act::Norm, bf, true, true).unwrap().grid,
+            (1, 2, 1)
+        );
     }
 
     /// The `#define`s of gemv.cu must equal the Rust mirrors, and the kernel macro must
@@ -655,6 +746,8 @@ mod tests {
         assert_eq!(def("TP_GEMV_TOKENS"), TOKENS.to_string());
         assert_eq!(def("TP_GEMV_TOKENS_SMALL"), TOKENS_SMALL.to_string());
         assert_eq!(def("TP_GEMM_ROWS"), ROWS_TILED.to_string());
+        assert_eq!(def("TP_TC_WARPS"), TC_WARPS.to_string());
+        assert_eq!(def("TP_TC_TILES"), TC_TILES.to_string());
         let order: Vec<usize> = ["(f32, F32)", "(f16, GemvF16)", "(bf16, BF16)"]
             .iter()
             .map(|d| {

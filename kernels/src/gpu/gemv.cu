@@ -463,3 +463,304 @@ TP_DEV void gemv(const GemvParams& p) {
 TP_GEMV_DTYPE(f32, F32)
 TP_GEMV_DTYPE(f16, GemvF16)
 TP_GEMV_DTYPE(bf16, BF16)
+
+// ---------------------------------------------------------------------------------------------
+// The tensor-core product of a batch (m > 4; decode batches of `tprun serve`, prefill), bf16
+// weights on the 16-byte path, sm_80+ (kernels/src/cuda/ops_gemv.rs picks it; everywhere else
+// the tiled kernels above run, and on other targets these kernels are empty and never chosen).
+//
+// Why: the tiled SIMT kernels above spend one fmaf per weight element per token, so a batch of
+// 16 is issue-bound (a product of 16 tokens cost ~3.6 single-token passes, H200). mma.sync
+// m16n8k16 does 2048 multiply-adds per instruction, so the batch costs about one weight pass.
+//
+// Mapping. A block of TP_TC_WARPS warps owns TP_TC_TILES tiles of 16 weight rows (with the
+// SiluMul epilogue a tile is 8 gate rows and their 8 up rows, 8 outputs) and MT = 8 · TG
+// tokens; its warps split k. Lane (g = lane / 4, c = lane % 4) loads 16 bytes (8 bf16) of
+// weight rows g and g + 8 of each tile at element 8 · (4s + c) for the warp's steps s, and the
+// 8 f32 of x (token g of each group of 8 tokens) at the same elements. A dot product does not
+// depend on the order of k, so the mma's k index is permuted the same way on both sides: the
+// words 0 and 1 of the lane's pack are its fragment's k pairs (2c, 2c + 1) and (2c + 8, 2c + 9)
+// of one mma, words 2 and 3 those of a second: both operands are then loaded in 16-byte packs
+// with no shuffle or shared-memory staging.
+//
+// Precision. x is f32; the weights are bf16 and exact in the mma. x is split into three bf16
+// planes, x = a + b + c, each the nearest bf16 of what is left (the subtractions are exact), so
+// the split loses at most 2^-24 · |x|, like an f32 rounding, and the product is three mmas.
+// The tensor core's f32 accumulation may truncate, so each warp's sums start from zero for
+// every U steps (at most 12 mmas) and are added to the running f32 sums with ordinary adds.
+// The warps' partial sums meet in shared memory; warp 0 adds them and writes y.
+//
+// Measured: see docs/perf-notes.md (Continuous batching: tensor cores).
+#define TP_TC_WARPS 8    // warps per block, splitting k
+#define TP_TC_TILES 2    // 16-row mma tiles per block
+#define TP_TC_UNROLL 2   // steps (32 elements of k per row) loaded before any is used
+
+#if defined(TP_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define TP_TC 1
+#endif
+
+#if defined(TP_TC)
+// Two f32 as bf16x2, each rounded to nearest: `lo` in the low half (the lower k index).
+TP_DEV u32 tc_bf16x2(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// x0, x1 as three bf16x2 planes whose sum is x0, x1 within 2^-24 relative.
+TP_DEV void tc_split(float x0, float x1, u32 (&s)[3]) {
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+        s[i] = tc_bf16x2(x0, x1);
+        x0 -= __uint_as_float(s[i] << 16);
+        x1 -= __uint_as_float(s[i] & 0xffff0000u);
+    }
+}
+
+// c += a · b: a 16 × 16 bf16 tile (4 words per lane), b 16 × 8 (2 words), c 16 × 8 f32.
+TP_DEV void tc_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+#endif
+
+template <int TG, int ACT>
+TP_DEV void gemm_tc(const GemvParams& p) {
+#if defined(TP_TC)
+    constexpr int RT = TP_TC_TILES, NW = TP_TC_WARPS, U = TP_TC_UNROLL, MT = 8 * TG;
+    constexpr bool GLU = ACT == TP_ACT_GLU, NORM = ACT == TP_ACT_NORM;
+    constexpr u32 OUT = GLU ? 8 : 16;  // outputs per tile
+    static_assert(ACT != TP_ACT_SILU, "the prologue stays on the SIMT kernels");
+    __shared__ float part[NW - 1][RT][TG][4][32];
+    __shared__ float sq[NW][MT];
+    const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const u32 g = lane / 4, c = lane % 4;
+    const u32 nout = GLU ? p.n / 2 : p.n;
+    const u32 packs = p.k / 8, steps = (packs + 3) / 4;
+    const u32 blocks = (nout + RT * OUT - 1) / (RT * OUT);
+    const u32 t0 = blockIdx.x * MT;
+    const float* x = (const float*)p.x;
+    const float* bias = (const float*)p.bias;
+    float* y = (float*)p.y;
+    // The lane's token of each group; tokens past m repeat the last (computed, never written).
+    const float* xr[TG];
+    const float* dr[TG];
+    float* outr[TG];
+#pragma unroll
+    for (int t = 0; t < TG; ++t) {
+        const u32 tok = t0 + 8 * t + g;
+        const u64 row = gemv_min(tok, p.m - 1);
+        xr[t] = x + row * p.k;
+        dr[t] = (const float*)p.delta + row * p.k;
+        outr[t] = NORM && p.x_out && blockIdx.y == 0 && tok < p.m ? (float*)p.x_out + row * p.k
+                                                                   : nullptr;
+    }
+    bool waited = false;
+    for (u32 b = blockIdx.y; b < blocks; b += gridDim.y) {
+        // Weight rows g and g + 8 of each tile (past n, or past each half: the last one).
+        const u8* wa[RT];
+        const u8* wb[RT];
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+            const u32 o = (b * RT + r) * OUT + g;
+            u32 ra, rb;
+            if (GLU) {
+                ra = gemv_min(o, nout - 1);
+                rb = nout + ra;
+            } else {
+                ra = gemv_min(o, p.n - 1);
+                rb = gemv_min(o + 8, p.n - 1);
+            }
+            wa[r] = (const u8*)p.w + (u64)ra * p.k * 2;
+            wb[r] = (const u8*)p.w + (u64)rb * p.k * 2;
+        }
+        float acc[RT][TG][4];
+        float ss[TG];
+#pragma unroll
+        for (int t = 0; t < TG; ++t) {
+            ss[t] = 0.0f;
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[r][t][i] = 0.0f;
+            }
+        }
+        for (u32 s0 = warp * U; s0 < steps; s0 += NW * U) {
+            V16 wv[U][RT][2];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const u32 q = 4 * (s0 + u) + c;
+#pragma unroll
+                for (int r = 0; r < RT; ++r) {
+                    if (q < packs) {
+                        wv[u][r][0] = gemv_ld_w(wa[r] + (u64)q * 16);
+                        wv[u][r][1] = gemv_ld_w(wb[r] + (u64)q * 16);
+                    } else {
+                        wv[u][r][0] = wv[u][r][1] = V16{};
+                    }
+                }
+            }
+            gemv_wait_once(waited);
+            float cc[RT][TG][4];
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+#pragma unroll
+                for (int t = 0; t < TG; ++t) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) cc[r][t][i] = 0.0f;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if (s0 + u >= steps) break;  // the same for the whole warp
+                const u32 q = 4 * (s0 + u) + c;
+#pragma unroll
+                for (int t = 0; t < TG; ++t) {
+                    float a[8];
+                    if (q < packs) {
+                        gemv_ld_x<8>(xr[t], (u64)q * 8, a);
+                        if (NORM) {
+                            float d[8], nw[8];
+                            gemv_ld_x<8>(dr[t], (u64)q * 8, d);
+                            gemv_ld_x<8>((const float*)p.norm_w, (u64)q * 8, nw);
+#pragma unroll
+                            for (int e = 0; e < 8; ++e) {
+                                a[e] += d[e];
+                                ss[t] = fmaf(a[e], a[e], ss[t]);
+                            }
+                            if (outr[t] && b == blockIdx.y) {
+#pragma unroll
+                                for (int h = 0; h < 2; ++h) {
+                                    V16 v;
+#pragma unroll
+                                    for (int j = 0; j < 4; ++j) v.w[j] = tp_f32_bits(a[4 * h + j]);
+                                    *(V16*)(outr[t] + (u64)q * 8 + 4 * h) = v;
+                                }
+                            }
+#pragma unroll
+                            for (int e = 0; e < 8; ++e) a[e] *= nw[e];
+                        }
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) a[e] = 0.0f;
+                    }
+                    u32 s[4][3];
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) tc_split(a[2 * j], a[2 * j + 1], s[j]);
+#pragma unroll
+                    for (int r = 0; r < RT; ++r) {
+                        const V16& lo = wv[u][r][0];
+                        const V16& hi = wv[u][r][1];
+#pragma unroll
+                        for (int pl = 0; pl < 3; ++pl) {
+                            tc_mma(cc[r][t], lo.w[0], hi.w[0], lo.w[1], hi.w[1], s[0][pl], s[1][pl]);
+                            tc_mma(cc[r][t], lo.w[2], hi.w[2], lo.w[3], hi.w[3], s[2][pl], s[3][pl]);
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+#pragma unroll
+                for (int t = 0; t < TG; ++t) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) acc[r][t][i] += cc[r][t][i];
+                }
+            }
+        }
+        // y is written below: not before the kernel before has finished with it.
+        gemv_wait_once(waited);
+        // The warps' partial sums (and square sums) meet in shared memory.
+        if (NORM) {
+#pragma unroll
+            for (int t = 0; t < TG; ++t) {
+                float v = ss[t];
+                v += __shfl_xor_sync(0xffffffffu, v, 1);
+                v += __shfl_xor_sync(0xffffffffu, v, 2);
+                if (c == 0) sq[warp][8 * t + g] = v;
+            }
+        }
+        if (warp > 0) {
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+#pragma unroll
+                for (int t = 0; t < TG; ++t) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) part[warp - 1][r][t][i][lane] = acc[r][t][i];
+                }
+            }
+        }
+        __syncthreads();
+        if (warp == 0) {
+#pragma unroll
+            for (int w = 0; w < NW - 1; ++w) {
+#pragma unroll
+                for (int r = 0; r < RT; ++r) {
+#pragma unroll
+                    for (int t = 0; t < TG; ++t) {
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) acc[r][t][i] += part[w][r][t][i][lane];
+                    }
+                }
+            }
+            // Lane (g, c) holds tokens 2c and 2c + 1 of each group: rows g and g + 8 of each
+            // tile (with the epilogue: gate and up of output g).
+#pragma unroll
+            for (int t = 0; t < TG; ++t) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const u32 slot = 8 * t + 2 * c + h, tok = t0 + slot;
+                    float rs = 1.0f;
+                    if (NORM) {
+                        float tot = 0.0f;
+#pragma unroll
+                        for (int w = 0; w < NW; ++w) tot += sq[w][slot];
+                        rs = rsqrtf(tot / (float)p.k + p.eps);
+                    }
+                    if (tok >= p.m) continue;
+#pragma unroll
+                    for (int r = 0; r < RT; ++r) {
+                        const u32 o = (b * RT + r) * OUT + g;
+                        if (GLU) {
+                            if (o < nout) {
+                                float a = acc[r][t][h], u = acc[r][t][2 + h];
+                                if (bias) {
+                                    a += bias[o];
+                                    u += bias[nout + o];
+                                }
+                                y[(u64)tok * nout + o] = gemv_silu_mul(a, u);
+                            }
+                        } else {
+#pragma unroll
+                            for (int e = 0; e < 2; ++e) {
+                                const u32 row = o + 8 * e;
+                                if (row < p.n) {
+                                    float s = acc[r][t][2 * e + h] * rs;
+                                    if (bias) s += bias[row];
+                                    y[(u64)tok * p.n + row] = s;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads();  // shared memory is reused by the next row block
+    }
+#endif
+}
+
+// gemm{16,32}_tc_{plain,norm,glu}_bf16: 16 or 32 tokens per tile; ops_gemv.rs NAMES order.
+#define TP_TC_KERNEL(name, TG, ACT)                                                        \
+    extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_TC_WARPS * 32, 1) name(const GemvParams p) { \
+        gemm_tc<TG, ACT>(p);                                                               \
+    }
+TP_TC_KERNEL(gemm16_tc_bf16, 2, TP_ACT_NONE)
+TP_TC_KERNEL(gemm16_tc_norm_bf16, 2, TP_ACT_NORM)
+TP_TC_KERNEL(gemm16_tc_glu_bf16, 2, TP_ACT_GLU)
+TP_TC_KERNEL(gemm32_tc_bf16, 4, TP_ACT_NONE)
+TP_TC_KERNEL(gemm32_tc_norm_bf16, 4, TP_ACT_NORM)
+TP_TC_KERNEL(gemm32_tc_glu_bf16, 4, TP_ACT_GLU)

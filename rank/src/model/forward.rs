@@ -425,6 +425,10 @@ pub struct Model<D: Device> {
     use_graph: bool,
     /// The captured single-token step, and the allreduces it holds.
     graph: Option<(D::Graph, u32, SampleParams)>,
+    /// The captured forward of a batched decode step ([`Model::step_batch`] without prompts),
+    /// one per row count (at most the prefill chunk), and the allreduces each holds; `None`
+    /// where the capture failed or the device has no graphs (those steps run directly).
+    batch_graphs: std::collections::HashMap<usize, Option<(D::Graph, u32)>>,
 }
 
 /// Per-token statistics of [`Model::decode`].
@@ -445,12 +449,13 @@ impl<D: Device> Drop for Model<D> {
         // was released is a use-after-free in the driver, which hung the first H200 run at
         // exit. And not while a replay of it is queued (an error can leave one queued): wait
         // for the device before. Never panics; a failure can only be logged.
-        if self.graph.is_some() {
+        if self.graph.is_some() || self.batch_graphs.values().any(Option::is_some) {
             if let Err(e) = self.dev.sync() {
                 tracing::warn!("model drop: device sync: {e}");
             }
             self.graph = None;
-            tracing::debug!("model drop: graph destroyed");
+            self.batch_graphs.clear();
+            tracing::debug!("model drop: graphs destroyed");
         }
     }
 }
@@ -581,6 +586,7 @@ impl<D: Device> Model<D> {
     pub fn set_no_allreduce(&mut self, on: bool) {
         self.no_allreduce = on;
         self.graph = None;
+        self.batch_graphs.clear();
     }
 
     /// Whether [`Model::decode`] replays the step as one captured graph (where the device
@@ -588,6 +594,7 @@ impl<D: Device> Model<D> {
     pub fn set_graph(&mut self, on: bool) {
         self.use_graph = on;
         self.graph = None;
+        self.batch_graphs.clear();
     }
 
     /// Weight bytes moved to the device at load.
@@ -676,6 +683,7 @@ impl<D: Device> Model<D> {
             delta_len: sizes.delta,
             step_bytes,
             graph: None,
+            batch_graphs: std::collections::HashMap::new(),
         })
     }
 
@@ -1116,14 +1124,51 @@ impl<D: Device> Model<D> {
             .collect();
         let words = self.step.encode([0, 0], &step_rows, n + p);
         self.dev.write(&self.step.buf, 0, &words)?;
+        // The forward reads every row's token, position and slot from the step buffer, so a
+        // decode-only step (no prompts) of m rows is one graph whatever the rows are: captured
+        // the first time m rows run, replayed after. The sampling below stays direct: its
+        // launches name each row's slot history and parameters.
+        // (Attention-only models: a hybrid's recurrent state is one sequence's.)
+        let capturable = p == 0
+            && self.use_graph
+            && self.cfg.hybrid.is_none()
+            && comm.capturable(m * self.cfg.hidden * 4);
+        if capturable && !self.batch_graphs.contains_key(&m) {
+            let e0 = comm.epoch();
+            tracing::debug!("step_batch: capturing the forward of {m} rows");
+            let captured = {
+                let this = &*self;
+                let fwd = this.batch_rows(m);
+                this.dev.capture(&mut || {
+                    this.forward(comm, &fwd, Logits::First(m), true)
+                        .map_err(|e| match e {
+                            RankError::Kernel(k) => k,
+                            other => tprun_kernels::KernelError::Backend(other.to_string()),
+                        })
+                })
+            };
+            // Capturing queued nothing: the communicator's epochs did not move.
+            let held = comm.epoch().wrapping_sub(e0);
+            comm.set_epoch(e0);
+            // A failed capture costs only speed: such steps run directly (and report any
+            // error that is not the capture's own).
+            let graph = match captured {
+                Ok(g) => g.map(|g| (g, held)),
+                Err(e) => {
+                    tracing::warn!("step_batch: {m} rows run without a graph: {e}");
+                    None
+                }
+            };
+            self.batch_graphs.insert(m, graph);
+        }
+        match self.batch_graphs.get(&m).filter(|_| capturable) {
+            Some(Some((g, held))) => {
+                self.dev.replay(g)?;
+                comm.set_epoch(comm.epoch().wrapping_add(*held));
+            }
+            _ => self.forward(comm, &self.batch_rows(m), Logits::First(n + p), true)?,
+        }
         let step = &self.step;
-        let fwd = Rows {
-            m,
-            ids: step.ids(m),
-            pos: step.positions(m),
-            slots: Slots::Each(step.slot_ids(m)),
-        };
-        self.forward(comm, &fwd, Logits::First(n + p), true)?;
         let params = rows
             .iter()
             .map(|r| r.params)
@@ -1141,6 +1186,16 @@ impl<D: Device> Model<D> {
             .iter()
             .map(|&(_, pos, slot)| self.read_history(slot, pos + 1, pos + 1))
             .collect()
+    }
+
+    /// The first `m` rows of the step buffer, each in the cache slot its id says.
+    fn batch_rows(&self, m: usize) -> Rows<'_, D::Buf> {
+        Rows {
+            m,
+            ids: self.step.ids(m),
+            pos: self.step.positions(m),
+            slots: Slots::Each(self.step.slot_ids(m)),
+        }
     }
 
     /// Whether a batched step of `rows` sequences can also prefill new prompts of
