@@ -373,7 +373,7 @@ impl CudaDevice {
             err_words: self.err.device_addr(),
             // Relaxed: a plain setting, like comm_blocks.
             pdl: self.pdl.load(Ordering::Relaxed),
-            mma: self.cc_major >= 8,
+            mma: self.mma_sync(),
             launches: &self.launches,
         }
     }
