@@ -68,16 +68,7 @@ pub fn info(args: &InfoArgs) -> Result<i32, JobError> {
                     "NOT found (kernels cannot be compiled)"
                 }
             );
-            for d in devs {
-                println!(
-                    "  [{}] {}  {:.1} GiB  {}  {}",
-                    d.ordinal,
-                    d.name,
-                    d.memory as f64 / (1u64 << 30) as f64,
-                    d.arch,
-                    d.uuid
-                );
-            }
+            print_devices(devs);
             if let Some(m) = peers {
                 print_peers(&m);
             }
@@ -87,17 +78,8 @@ pub fn info(args: &InfoArgs) -> Result<i32, JobError> {
     match &hip {
         Ok((devs, peers)) => {
             println!("hip   available: {} device(s)", devs.len());
-            for d in devs {
-                // `uuid` ends with the PCI bus id in parentheses.
-                println!(
-                    "  [{}] {}  {:.1} GiB  {}  {}",
-                    d.ordinal,
-                    d.name,
-                    d.memory as f64 / (1u64 << 30) as f64,
-                    d.arch,
-                    d.uuid
-                );
-            }
+            // (On HIP, `uuid` ends with the PCI bus id in parentheses.)
+            print_devices(devs);
             if let Some(m) = peers {
                 print_peers(m);
             }
@@ -105,6 +87,20 @@ pub fn info(args: &InfoArgs) -> Result<i32, JobError> {
         Err(e) => println!("hip   unavailable: {}", hip_why(e)),
     }
     Ok(0)
+}
+
+/// One line per device: ordinal, name, memory, architecture, UUID.
+fn print_devices(devs: &[tprun_kernels::DeviceInfo]) {
+    for d in devs {
+        println!(
+            "  [{}] {}  {:.1} GiB  {}  {}",
+            d.ordinal,
+            d.name,
+            d.memory as f64 / (1u64 << 30) as f64,
+            d.arch,
+            d.uuid
+        );
+    }
 }
 
 /// The peer-access matrix: a Y where the row's device maps the column's memory.
