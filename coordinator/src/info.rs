@@ -25,10 +25,6 @@ pub fn info(args: &InfoArgs) -> Result<i32, JobError> {
         let peers = cuda::probe::peer_matrix_with(&*d).ok();
         Ok((devs, peers))
     });
-    let hip_why = |e: &tprun_kernels::KernelError| match e {
-        tprun_kernels::KernelError::Unavailable { why, .. } => why.clone(),
-        e => e.to_string(),
-    };
     if args.json {
         let v = json!({
             "cpu": { "cores": cores, "arch": std::env::consts::ARCH },
@@ -47,7 +43,7 @@ pub fn info(args: &InfoArgs) -> Result<i32, JobError> {
                     "devices": devs,
                     "peer_access": peers,
                 }),
-                Err(e) => json!({ "available": false, "why": hip_why(e) }),
+                Err(e) => json!({ "available": false, "why": crate::unusable_why(e) }),
             },
         });
         println!("{}", serde_json::to_string_pretty(&v).expect("json"));
@@ -84,7 +80,7 @@ pub fn info(args: &InfoArgs) -> Result<i32, JobError> {
                 print_peers(m);
             }
         }
-        Err(e) => println!("hip   unavailable: {}", hip_why(e)),
+        Err(e) => println!("hip   unavailable: {}", crate::unusable_why(e)),
     }
     Ok(0)
 }

@@ -83,36 +83,24 @@ impl Settings {
                 }
                 _ => Backend::Cpu,
             },
-            // Ranks that join from elsewhere (serve --listen) have GPUs we need not see.
-            BackendArg::Cuda if remote_ranks(cli) => Backend::Cuda,
-            BackendArg::Cuda => match cuda_devices() {
-                Ok(0) => {
-                    return Err("backend 'cuda' is not usable: no CUDA device is visible".into())
-                }
-                Ok(n) => {
+            BackendArg::Cuda | BackendArg::Hip => {
+                let backend = match cli.backend {
+                    BackendArg::Hip => Backend::Hip,
+                    _ => Backend::Cuda,
+                };
+                // Ranks that join from elsewhere (serve --listen) have GPUs we need not see.
+                if !remote_ranks(cli) {
+                    let n = explicit_gpu(cli.backend)?;
                     wrap(n, &mut devices);
                     if let Some(&d) = devices.iter().find(|&&d| d >= n) {
                         return Err(format!(
-                            "--devices names device {d}, but only {n} CUDA device(s) are visible"
+                            "--devices names device {d}, but only {n} {} device(s) are visible",
+                            backend.name().to_uppercase()
                         ));
                     }
-                    Backend::Cuda
                 }
-                Err(why) => return Err(format!("backend 'cuda' is not usable: {why}")),
-            },
-            BackendArg::Hip if remote_ranks(cli) => Backend::Hip,
-            BackendArg::Hip => match hip_devices() {
-                Ok(n) => {
-                    wrap(n, &mut devices);
-                    if let Some(&d) = devices.iter().find(|&&d| d >= n) {
-                        return Err(format!(
-                            "--devices names device {d}, but only {n} HIP device(s) are visible"
-                        ));
-                    }
-                    Backend::Hip
-                }
-                Err(why) => return Err(format!("backend 'hip' is not usable: {why}")),
-            },
+                backend
+            }
         };
         Ok(Settings {
             backend_explicit: cli.backend != BackendArg::Auto,
@@ -193,10 +181,7 @@ pub fn dtype_arg(flag: &str, s: &str, keywords: &[&str]) -> Result<Option<DType>
 /// Visible CUDA devices, or why the CUDA backend cannot be used (driver or NVRTC missing).
 fn cuda_devices() -> Result<usize, String> {
     use tprun_kernels::cuda;
-    let devs = cuda::probe().map_err(|e| match e {
-        tprun_kernels::KernelError::Unavailable { why, .. } => why,
-        e => e.to_string(),
-    })?;
+    let devs = cuda::probe().map_err(|e| unusable_why(&e))?;
     if !devs.is_empty() && !cuda::nvrtc_present() {
         return Err(
             "NVRTC (libnvrtc.so) was not found on the library path; it compiles the \
@@ -243,20 +228,41 @@ fn spawned_by_parent() -> bool {
         .is_ok_and(|p| p == std::os::unix::process::parent_id().to_string())
 }
 
+/// Why a backend cannot run here: an `Unavailable`'s own line, else the error.
+pub(crate) fn unusable_why(e: &tprun_kernels::KernelError) -> String {
+    match e {
+        tprun_kernels::KernelError::Unavailable { why, .. } => why.clone(),
+        e => e.to_string(),
+    }
+}
+
 /// Visible HIP devices (at least one), or the one line that says why `--backend hip` cannot
 /// run here: "hip: runtime not found (libamdhip64.so)", "no HIP device (hipInit: ...)".
-pub fn hip_devices() -> Result<usize, String> {
+fn hip_devices() -> Result<usize, String> {
     let driver = tprun_kernels::cuda::Gpu::Hip
         .driver()
-        .map_err(|e| match e {
-            tprun_kernels::KernelError::Unavailable { why, .. } => why,
-            e => e.to_string(),
-        })?;
+        .map_err(|e| unusable_why(&e))?;
     match driver.device_count() {
         Ok(0) => Err("no HIP device".into()),
         Ok(n) => Ok(n),
         Err(e) => Err(format!("no HIP device ({e})")),
     }
+}
+
+/// `--backend cuda|hip`: its visible devices (at least one), or the line that says why it
+/// cannot run here ("backend 'hip' is not usable: ...").
+fn explicit_gpu(backend: BackendArg) -> Result<usize, String> {
+    let (name, count) = match backend {
+        BackendArg::Hip => ("hip", hip_devices()),
+        _ => (
+            "cuda",
+            cuda_devices().and_then(|n| match n {
+                0 => Err("no CUDA device is visible".to_string()),
+                n => Ok(n),
+            }),
+        ),
+    };
+    count.map_err(|why| format!("backend '{name}' is not usable: {why}"))
 }
 
 /// The job's ranks are started elsewhere and join (`serve --listen`).
@@ -316,21 +322,11 @@ fn run(cli: Cli) -> i32 {
         Command::Synth(args) => return report(decode::synth_cmd(args)),
         Command::Info(args) => {
             // An explicit GPU backend must be usable: its reason otherwise, one line, exit 1.
-            let usable = match cli.backend {
-                BackendArg::Hip => hip_devices().map(drop),
-                BackendArg::Cuda => match cuda_devices() {
-                    Ok(0) => Err("no CUDA device is visible".into()),
-                    r => r.map(drop),
-                },
-                BackendArg::Cpu | BackendArg::Auto => Ok(()),
-            };
-            if let Err(why) = usable {
-                let name = match cli.backend {
-                    BackendArg::Hip => "hip",
-                    _ => "cuda",
-                };
-                eprintln!("error: backend '{name}' is not usable: {why}");
-                return 1;
+            if matches!(cli.backend, BackendArg::Cuda | BackendArg::Hip) {
+                if let Err(line) = explicit_gpu(cli.backend) {
+                    eprintln!("error: {line}");
+                    return 1;
+                }
             }
             return report(info::info(args));
         }
