@@ -22,10 +22,10 @@
 //! Must not: be made twice or unloaded ([`HipDriver::get`] keeps one per process).
 
 use std::collections::HashMap;
-use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::ffi::{c_char, c_int, c_void, CString};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use super::HipRuntime;
+use super::{c_buf, HipRuntime};
 use crate::driver::{
     Attr, Caps, Ctx, DResult, DevPtr, Driver, DriverError, Event, Function, Graph, GraphExec,
     IpcHandle, Module, Stream, IPC_HANDLE_BYTES,
@@ -238,17 +238,13 @@ unsafe impl Driver for HipDriver {
 
     fn device_name(&self, ordinal: usize) -> DResult<String> {
         let d = self.device(ordinal)?;
-        let mut buf = [0 as c_char; 256];
+        let mut buf = [0u8; 256];
         self.check(
-            // SAFETY: the length is the buffer's; HIP NUL-terminates within it.
-            unsafe { (self.f().device_get_name)(buf.as_mut_ptr(), buf.len() as c_int, d) },
+            // SAFETY: the length is the buffer's.
+            unsafe { (self.f().device_get_name)(buf.as_mut_ptr().cast(), buf.len() as c_int, d) },
             "hipDeviceGetName",
         )?;
-        buf[buf.len() - 1] = 0;
-        // SAFETY: NUL-terminated (forced above).
-        Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }
-            .to_string_lossy()
-            .into_owned())
+        Ok(c_buf(&buf))
     }
 
     fn device_arch(&self, ordinal: usize) -> DResult<String> {
@@ -267,9 +263,7 @@ unsafe impl Driver for HipDriver {
             },
             "hipGetDeviceProperties",
         )?;
-        let name = &props.0[abi::PROP_GCN_ARCH_NAME..abi::PROP_GCN_ARCH_NAME + 256];
-        let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
-        let full = String::from_utf8_lossy(&name[..end]);
+        let full = c_buf(&props.0[abi::PROP_GCN_ARCH_NAME..abi::PROP_GCN_ARCH_NAME + 256]);
         Ok(bare_arch(&full).to_string())
     }
 
@@ -303,23 +297,19 @@ unsafe impl Driver for HipDriver {
     }
 
     fn pci_bus_id(&self, ordinal: usize) -> DResult<String> {
-        let mut buf = [0 as c_char; 32];
+        let mut buf = [0u8; 32];
         self.check(
             // SAFETY: the length is the buffer's.
             unsafe {
                 (self.f().device_get_pci_bus_id)(
-                    buf.as_mut_ptr(),
+                    buf.as_mut_ptr().cast(),
                     buf.len() as c_int,
                     ordinal as c_int,
                 )
             },
             "hipDeviceGetPCIBusId",
         )?;
-        buf[buf.len() - 1] = 0;
-        // SAFETY: NUL-terminated (forced above).
-        Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }
-            .to_string_lossy()
-            .into_owned())
+        Ok(c_buf(&buf))
     }
 
     fn uuid(&self, ordinal: usize) -> DResult<[u8; 16]> {

@@ -111,19 +111,12 @@ impl HipRuntime {
     /// The name and description of a HIP status ("hipErrorNoDevice: no ROCm-capable device
     /// is detected").
     pub fn error_string(&self, e: c_int) -> String {
-        let text = |p: *const c_char| {
-            if p.is_null() {
-                None
-            } else {
-                // SAFETY: the runtime returns static NUL-terminated strings.
-                Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
-            }
-        };
-        // SAFETY: hipGetErrorName / hipGetErrorString(hipError_t) -> const char*.
+        // SAFETY: hipGetErrorName / hipGetErrorString(hipError_t) -> const char* (static
+        // storage or null).
         let (name, what) = unsafe {
             (
-                text((self.fns.get_error_name)(e)),
-                text((self.fns.get_error_string)(e)),
+                c_str((self.fns.get_error_name)(e)),
+                c_str((self.fns.get_error_string)(e)),
             )
         };
         match (name, what) {
@@ -136,14 +129,8 @@ impl HipRuntime {
 
     /// The name of a HIP status alone ("hipErrorNoDevice").
     pub fn error_name(&self, e: c_int) -> String {
-        // SAFETY: hipGetErrorName(hipError_t) -> const char* (static storage).
-        let p = unsafe { (self.fns.get_error_name)(e) };
-        if p.is_null() {
-            format!("error {e}")
-        } else {
-            // SAFETY: as above.
-            unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
-        }
+        // SAFETY: hipGetErrorName(hipError_t) -> const char* (static storage or null).
+        unsafe { c_str((self.fns.get_error_name)(e)) }.unwrap_or_else(|| format!("error {e}"))
     }
 
     /// The runtime's version, e.g. 50221153 for 5.2.
@@ -189,14 +176,8 @@ impl HipRuntime {
     }
 
     fn rtc_error(&self, e: c_int) -> String {
-        // SAFETY: hiprtcGetErrorString(hiprtcResult) -> const char* (static storage).
-        let p = unsafe { (self.rtc.error_string)(e) };
-        if p.is_null() {
-            format!("error {e}")
-        } else {
-            // SAFETY: as above.
-            unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
-        }
+        // SAFETY: hiprtcGetErrorString(hiprtcResult) -> const char* (static storage or null).
+        unsafe { c_str((self.rtc.error_string)(e)) }.unwrap_or_else(|| format!("error {e}"))
     }
 
     /// The code object of kernel module `name` (its source `src`, includes not yet expanded)
@@ -271,8 +252,7 @@ impl HipRuntime {
                 if (r.log_size)(prog, &mut n) == 0 && n > 0 {
                     let mut buf = vec![0u8; n];
                     if (r.log)(prog, buf.as_mut_ptr().cast()) == 0 {
-                        let end = buf.iter().position(|&b| b == 0).unwrap_or(n);
-                        log = String::from_utf8_lossy(&buf[..end]).into_owned();
+                        log = c_buf(&buf);
                     }
                 }
                 Err(format!("{}:\n{log}", fail("compile", e)))
@@ -295,6 +275,21 @@ impl HipRuntime {
             out
         }
     }
+}
+
+/// The text of a C string the runtime returned, or `None` for a null pointer.
+///
+/// # Safety
+/// `p` is null or points to a NUL-terminated string that outlives the call.
+pub(crate) unsafe fn c_str(p: *const c_char) -> Option<String> {
+    // SAFETY: per the contract.
+    (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+}
+
+/// The text of a buffer a C call filled: up to its first NUL (all of it without one).
+pub(crate) fn c_buf(buf: &[u8]) -> String {
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
 }
 
 /// Declares a table of C functions resolved once from a library: a struct with one typed fn
