@@ -28,7 +28,7 @@ use super::program;
 use crate::comm::{
     AllreduceArgs, CommAlgo, CommLayout, FLAG_STRIDE, MAX_WORLD, PHASES, SIGNAL_BYTES,
 };
-use crate::driver::{Driver, Function, Stream};
+use crate::driver::{Function, Stream};
 use crate::{DType, KernelError, Result, View};
 
 /// Where the GPU part of the signal area starts: after the CPU backend's flags.
@@ -261,8 +261,6 @@ impl Kernels {
 /// What a launch needs from the device.
 pub(crate) struct Launcher<'a> {
     pub ctx: &'a GpuCtx,
-    /// `ctx`'s driver table, looked up once per launcher.
-    pub driver: &'a dyn Driver,
     pub stream: Stream,
     pub kernels: &'a Kernels,
     pub sms: u32,
@@ -339,7 +337,7 @@ impl Launcher<'_> {
         // returns, so `args` and `params` may go after the call. `pdl` is only set where the
         // driver has it (CudaDevice::set_pdl masks it by Caps::pdl).
         unsafe {
-            self.driver.launch(
+            self.ctx.driver().launch(
                 f,
                 grid,
                 (block, 1, 1),
@@ -376,7 +374,7 @@ impl Launcher<'_> {
             // SAFETY: both ranges bounds-checked; the buffers outlive the queued copy (callers
             // sync before dropping buffers).
             return unsafe {
-                self.driver.memcpy_dtod_async(
+                self.ctx.driver().memcpy_dtod_async(
                     crate::driver::DevPtr(d),
                     crate::driver::DevPtr(s),
                     bytes,
@@ -538,7 +536,7 @@ impl Launcher<'_> {
         // While the stream is captured into a graph the host epoch would be frozen into the
         // graph, so the kernel must not check it (comm.cu: "Where the epoch comes from").
         // SAFETY: our live stream.
-        if unsafe { self.driver.stream_is_capturing(self.stream) }
+        if unsafe { self.ctx.driver().stream_is_capturing(self.stream) }
             .map_err(driver_err("asking whether the stream captures"))?
         {
             p.host_epoch = 0;

@@ -363,7 +363,6 @@ impl CudaDevice {
     fn launcher(&self) -> Launcher<'_> {
         Launcher {
             ctx: &self.ctx,
-            driver: self.ctx.driver(),
             stream: self.stream.raw(),
             kernels: &self.kernels,
             sms: self.sms,
