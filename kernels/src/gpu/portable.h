@@ -250,3 +250,49 @@ TP_DEV void tp_pdl_wait() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+
+// ---- thread block clusters (NVIDIA sm_90+) ------------------------------------------------
+// A kernel launched with a cluster dimension (the launcher's `cluster`, only where
+// CudaDevice::clusters() says so) may read the shared memory of the other blocks of its
+// cluster. TP_CLUSTERS is 1 where these compile to the PTX; elsewhere they are never reached
+// (the launcher does not ask for a cluster) and do nothing.
+#if defined(TP_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define TP_CLUSTERS 1
+#else
+#define TP_CLUSTERS 0
+#endif
+
+// This block's rank in its cluster (0 without one).
+TP_DEV u32 tp_cluster_rank() {
+#if TP_CLUSTERS
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+#else
+    return 0;
+#endif
+}
+
+// A barrier over every thread of every block of the cluster: shared-memory stores before it
+// (release) are seen by the reads of any block of the cluster after it (acquire).
+TP_DEV void tp_cluster_sync() {
+#if TP_CLUSTERS
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// The f32 at `local` (an address in this block's shared memory) in the shared memory of
+// block `rank` of the cluster: the same variable, the other block's value.
+TP_DEV float tp_cluster_load(const float* local, u32 rank) {
+#if TP_CLUSTERS
+    u32 s, a;
+    float v;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(local));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(s), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
+    return v;
+#else
+    (void)rank;
+    return *local;
+#endif
+}
