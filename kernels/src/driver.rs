@@ -88,10 +88,6 @@ pub struct Caps {
     /// (comm.cu). Shown on NVIDIA over NVLink and PCIe; not shown for AMD over PCIe BAR
     /// mappings (xGMI or not), so not claimed there.
     pub atomic_u64_peer_stores: bool,
-    /// Thread block clusters: a launch may group blocks that read each other's shared
-    /// memory (CUDA 12 `cuLaunchKernelEx` with CLUSTER_DIMENSION; the device must also be
-    /// sm_90+).
-    pub clusters: bool,
     /// Warp-level `mma.sync` tensor-core instructions (NVIDIA sm_80+ only; the AMD
     /// equivalents, MFMA, have other shapes and are not used).
     pub mma_sync: bool,
@@ -413,15 +409,9 @@ pub unsafe trait Driver: Send + Sync {
     /// # Safety
     /// `f` belongs to a live module.
     unsafe fn occupancy(&self, f: Function, block: u32, smem: usize) -> DResult<u32>;
-    /// Lets `f` run in clusters of up to 16 blocks (CUDA's non-portable sizes; 8 is the
-    /// portable limit). Unsupported where the table has no clusters ([`Caps::clusters`]).
-    ///
-    /// # Safety
-    /// `f` belongs to a live module.
-    unsafe fn allow_wide_clusters(&self, f: Function) -> DResult<()>;
     /// Queues `f` on `s`. `params` is the kernel's argument array (one pointer per argument);
-    /// the runtime copies the values before returning. `opts`: programmatic dependent launch
-    /// (only where [`Caps::pdl`]) and clusters (only where [`Caps::clusters`]).
+    /// the runtime copies the values before returning. `pdl`: with programmatic dependent
+    /// launch (only where [`Caps::pdl`]).
     ///
     /// # Safety
     /// `f` belongs to a live module of the current context; `params` matches its signature;
@@ -435,19 +425,8 @@ pub unsafe trait Driver: Send + Sync {
         smem: u32,
         s: Stream,
         params: *mut *mut c_void,
-        opts: LaunchOpts,
+        pdl: bool,
     ) -> DResult<()>;
-}
-
-/// How a kernel is launched beyond its grid: the default is a plain launch.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct LaunchOpts {
-    /// Programmatic dependent launch: the kernel may start while the one before it on the
-    /// stream finishes, and waits in-kernel (tp_pdl_wait).
-    pub pdl: bool,
-    /// Blocks per cluster along grid y (0 or 1: no clusters); the grid's y must be a
-    /// multiple of it.
-    pub cluster_y: u32,
 }
 
 #[cfg(test)]

@@ -6,8 +6,7 @@
 # KERNELS_TEST_BIN is the kernels crate's unit-test binary built here and carried
 # (cargo test --release -p tprun-kernels --no-run; target/release/deps/tprun_kernels-*,
 # stripped into .devbin-cuda/). It runs the attention twins on the GPU (every case against the
-# CPU twin, with and without clusters where the GPU has them) and the attention timings (split
-# kernel in clusters, split + merge, single kernel; graph replays with PDL). Then
+# CPU twin) and the attention timings (split + merge, single kernel; graph replays). Then
 # decode_ab.sh --selftest NEW BASE (synth llama3-8b bf16, TP=1, 256 tokens after 128, two
 # rounds). PEER=1 adds, in the same call, the device copy bandwidth and the peer
 # (scripts/peer_hf_decode.py: transformers static cache + torch.compile) on the same

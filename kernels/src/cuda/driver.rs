@@ -16,7 +16,7 @@ use cudarc::driver::sys;
 use super::{probe, program, result};
 use crate::driver::{
     Attr, Caps, Ctx, DResult, DevPtr, Driver, DriverError, Event, Function, Graph, GraphExec,
-    IpcHandle, LaunchOpts, Module, Stream, VmmHandle, IPC_HANDLE_BYTES,
+    IpcHandle, Module, Stream, VmmHandle, IPC_HANDLE_BYTES,
 };
 use crate::{KernelError, Result};
 
@@ -82,7 +82,6 @@ unsafe impl Driver for CudaDriver {
         Caps {
             backend: "cuda",
             pdl: true,
-            clusters: true,
             vmm: true,
             atomic_u64_peer_stores: true,
             mma_sync: true,
@@ -486,19 +485,6 @@ unsafe impl Driver for CudaDriver {
         Ok(n.max(0) as u32)
     }
 
-    unsafe fn allow_wide_clusters(&self, f: Function) -> DResult<()> {
-        // SAFETY: per the contract.
-        unsafe {
-            sys::cuFuncSetAttribute(
-                f.0 as usize as sys::CUfunction,
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
-                1,
-            )
-        }
-        .result()
-        .map_err(err("cuFuncSetAttribute (non-portable cluster size)"))
-    }
-
     unsafe fn launch(
         &self,
         f: Function,
@@ -507,26 +493,15 @@ unsafe impl Driver for CudaDriver {
         smem: u32,
         s: Stream,
         params: *mut *mut c_void,
-        opts: LaunchOpts,
+        pdl: bool,
     ) -> DResult<()> {
         let func = f.0 as usize as sys::CUfunction;
-        if opts.pdl || opts.cluster_y > 1 {
-            // SAFETY: plain C structs (an id and a union of plain values): all-zero is valid.
-            let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
-            let mut n = 0;
-            if opts.pdl {
-                attrs[n].id =
-                    sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-                attrs[n].value.programmaticStreamSerializationAllowed = 1;
-                n += 1;
-            }
-            if opts.cluster_y > 1 {
-                attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-                attrs[n].value.clusterDim.x = 1;
-                attrs[n].value.clusterDim.y = opts.cluster_y;
-                attrs[n].value.clusterDim.z = 1;
-                n += 1;
-            }
+        if pdl {
+            // SAFETY: a plain C struct (an id and a union of plain values): all-zero is valid.
+            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
             let cfg = sys::CUlaunchConfig {
                 gridDimX: grid.0,
                 gridDimY: grid.1,
@@ -536,14 +511,14 @@ unsafe impl Driver for CudaDriver {
                 blockDimZ: block.2,
                 sharedMemBytes: smem,
                 hStream: stream(s),
-                attrs: attrs.as_mut_ptr(),
-                numAttrs: n as u32,
+                attrs: &mut attr,
+                numAttrs: 1,
             };
-            // SAFETY: per the contract; `cfg` and `attrs` live across the call, which copies
+            // SAFETY: per the contract; `cfg` and `attr` live across the call, which copies
             // the parameters before it returns.
             return unsafe { sys::cuLaunchKernelEx(&cfg, func, params, std::ptr::null_mut()) }
                 .result()
-                .map_err(err("cuLaunchKernelEx"));
+                .map_err(err("cuLaunchKernelEx (PDL)"));
         }
         // SAFETY: per the contract; cuLaunchKernel copies the parameter values before it
         // returns.

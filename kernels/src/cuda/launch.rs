@@ -28,7 +28,7 @@ use super::program;
 use crate::comm::{
     AllreduceArgs, CommAlgo, CommLayout, FLAG_STRIDE, MAX_WORLD, PHASES, SIGNAL_BYTES,
 };
-use crate::driver::{Function, LaunchOpts, Stream};
+use crate::driver::{Function, Stream};
 use crate::{DType, KernelError, Result, View};
 
 /// Where the GPU part of the signal area starts: after the CPU backend's flags.
@@ -275,9 +275,6 @@ pub(crate) struct Launcher<'a> {
     pub pdl: bool,
     /// Whether the tensor-core kernels may run (sm_80+: mma.sync with bf16).
     pub mma: bool,
-    /// Most blocks per thread block cluster a launch may ask for (sm_90+, CUDA; 16 where
-    /// non-portable sizes are allowed); 0: no clusters.
-    pub cluster_max: u32,
     /// Kernel launches so far on this device (`Device::launches`).
     pub launches: &'a std::sync::atomic::AtomicU64,
 }
@@ -299,7 +296,7 @@ impl Launcher<'_> {
     ) -> Result<()> {
         let f = self.kernels.func(module, index);
         // SAFETY: per the contract.
-        unsafe { self.launch_with(f, (grid, 1, 1), block, 0, LaunchOpts::default(), params) }
+        unsafe { self.launch_with(f, (grid, 1, 1), block, 0, false, params) }
     }
 
     /// Launches `f` with a 3-D grid, `block` threads and `smem` bytes of dynamic shared
@@ -317,29 +314,7 @@ impl Launcher<'_> {
         params: &mut P,
     ) -> Result<()> {
         // SAFETY: per the contract; decode kernels wait in-kernel, so PDL as configured.
-        unsafe { self.launch_cluster(f, grid, block, smem, 1, params) }
-    }
-
-    /// As [`Launcher::launch_fn`], in clusters of `cluster_y` blocks along grid y (which it
-    /// must divide; 1: none), at most [`Launcher::cluster_max`].
-    ///
-    /// # Safety
-    /// As [`Launcher::launch_fn`].
-    pub(crate) unsafe fn launch_cluster<P>(
-        &self,
-        f: Function,
-        grid: (u32, u32, u32),
-        block: u32,
-        smem: u32,
-        cluster_y: u32,
-        params: &mut P,
-    ) -> Result<()> {
-        let opts = LaunchOpts {
-            pdl: self.pdl,
-            cluster_y,
-        };
-        // SAFETY: per the contract; decode kernels wait in-kernel, so PDL as configured.
-        unsafe { self.launch_with(f, grid, block, smem, opts, params) }
+        unsafe { self.launch_with(f, grid, block, smem, self.pdl, params) }
     }
 
     /// # Safety
@@ -350,7 +325,7 @@ impl Launcher<'_> {
         grid: (u32, u32, u32),
         block: u32,
         smem: u32,
-        opts: LaunchOpts,
+        pdl: bool,
         params: &mut P,
     ) -> Result<()> {
         // Relaxed: a statistic, read by the same thread after the op returns.
@@ -359,8 +334,8 @@ impl Launcher<'_> {
         let mut args = [(params as *mut P).cast::<c_void>()];
         let grid = (grid.0.max(1), grid.1.max(1), grid.2.max(1));
         // SAFETY: per the contract; the runtime copies the parameter values before it
-        // returns, so `args` and `params` may go after the call. `pdl` and clusters are only
-        // asked for where the driver has them (CudaDevice masks both by Caps).
+        // returns, so `args` and `params` may go after the call. `pdl` is only set where the
+        // driver has it (CudaDevice::set_pdl masks it by Caps::pdl).
         unsafe {
             self.ctx.driver().launch(
                 f,
@@ -369,7 +344,7 @@ impl Launcher<'_> {
                 smem,
                 self.stream,
                 args.as_mut_ptr(),
-                opts,
+                pdl,
             )
         }
         .map_err(driver_err("launching a kernel"))

@@ -105,11 +105,6 @@ pub struct CudaDevice {
     /// Decode kernels launched with programmatic dependent launch; see
     /// [`CudaDevice::set_pdl`].
     pdl: AtomicBool,
-    /// Cluster launches forbidden ([`CudaDevice::set_clusters`]).
-    no_clusters: AtomicBool,
-    /// Most blocks per cluster the kernels that use clusters may be launched with (16 where
-    /// the driver allows non-portable sizes, else 8); 0 without clusters.
-    cluster_max: u32,
     /// Compute capability, major version (HIP reports gfx9 as 9).
     cc_major: i32,
     /// Kernel launches queued (or captured) so far.
@@ -175,11 +170,6 @@ impl CudaDevice {
         let cc_major = attr(Attr::ComputeCapabilityMajor)?;
         let mode = Self::resolve_mode(&ctx, mode)?;
         let kernels = Kernels::load(&ctx, &info.arch)?;
-        let cluster_max = if caps.clusters && cc_major >= 9 {
-            ops_attention::allow_wide_clusters(&ctx, &kernels)
-        } else {
-            0
-        };
         let err = HostWords::new(&ctx, launch::ERR_WORDS)?;
         // Grid cap: the job's, else the default: all blocks of up to 4 ranks sharing this
         // device must be resident at once (their flag waits spin on each other; a block that
@@ -210,8 +200,6 @@ impl CudaDevice {
             ll: AtomicBool::new(ll),
             small_copy_kernel: comm.small_copy_kernel,
             pdl: AtomicBool::new(false),
-            no_clusters: AtomicBool::new(false),
-            cluster_max,
             cc_major,
             launches: AtomicU64::new(0),
             last_timeout_ns: AtomicU64::new(0),
@@ -312,28 +300,6 @@ impl CudaDevice {
             .store(on && self.caps.pdl && self.cc_major >= 9, Ordering::Relaxed);
     }
 
-    /// Whether kernels may be launched in thread block clusters (NVIDIA sm_90+ only), and not
-    /// switched off by [`CudaDevice::set_clusters`].
-    pub fn clusters(&self) -> bool {
-        self.cluster_limit() > 0
-    }
-
-    /// Most blocks per cluster a launch may ask for now; 0: no clusters.
-    fn cluster_limit(&self) -> u32 {
-        // Relaxed: a plain setting, like pdl.
-        if self.no_clusters.load(Ordering::Relaxed) {
-            0
-        } else {
-            self.cluster_max
-        }
-    }
-
-    /// Allows (the default, where the device has them) or forbids cluster launches: for
-    /// measuring the kernels that use them against the ones they replace.
-    pub fn set_clusters(&self, on: bool) {
-        self.no_clusters.store(!on, Ordering::Relaxed);
-    }
-
     /// Whether kernels built on warp-level `mma.sync` may be picked (NVIDIA sm_80+ only).
     pub fn mma_sync(&self) -> bool {
         self.caps.mma_sync && self.cc_major >= 8
@@ -407,7 +373,6 @@ impl CudaDevice {
             // Relaxed: a plain setting, like comm_blocks.
             pdl: self.pdl.load(Ordering::Relaxed),
             mma: self.mma_sync(),
-            cluster_max: self.cluster_limit(),
             launches: &self.launches,
         }
     }

@@ -6,10 +6,7 @@
 //! grid, at most one per 256 positions of the cache); how many positions a part holds, the
 //! kernels decide from the position on the device. Without: `attn_single_g{G}_{dtype}` on (kv_heads · chunks,
 //! rows). The grid depends on `cap`, never on the positions (they are on the device), so one
-//! captured launch serves every token. Where the device has thread block clusters (sm_90) and
-//! the cache is short enough that CLUSTER_MAX parts cover it in a few chunks each, the split
-//! kernel runs in clusters of `parts` blocks that merge their partials among themselves
-//! (distributed shared memory): no `attn_merge` launch and no workspace round trip. Heads per block: the query heads of one KV head
+//! captured launch serves every token. Heads per block: the query heads of one KV head
 //! together (GQA), G the power of two that holds min(group, 8).
 //!
 //! Owns: the kernel table of attention.cu and the mirror of its parameter struct.
@@ -66,10 +63,6 @@ const MERGE_THREADS: u32 = 256;
 const DMAX: usize = 256;
 /// attention.cu TP_ATTN_GMAX: most query heads per block.
 const GMAX: usize = 8;
-/// attention.cu TP_ATTN_CLUSTER_MAX: most parts (blocks per cluster) in cluster mode.
-const CLUSTER_MAX: usize = 16;
-/// The portable cluster size: what a device that refuses wider clusters still runs.
-const CLUSTER_PORTABLE: u32 = 8;
 /// CUDA's limit on grid y and z.
 const GRID_YZ_MAX: usize = 65_535;
 
@@ -95,7 +88,7 @@ struct AttnParams {
     vec: u32,
     scale: f32,
     nslots: u32,
-    cluster: u32,
+    pad: u32,
 }
 const _: () = assert!(std::mem::size_of::<AttnParams>() == 104);
 
@@ -132,30 +125,6 @@ fn addr(v: &View<'_, CudaBuf>, what: &str) -> Result<u64> {
     Ok(a)
 }
 
-/// Lets the split kernels run in clusters wider than the portable 8 blocks; returns the
-/// widest cluster they may be launched with (16, or 8 where the driver refuses).
-pub(crate) fn allow_wide_clusters(
-    ctx: &super::ctx::GpuCtx,
-    kernels: &super::launch::Kernels,
-) -> u32 {
-    let wide = ctx.bind().is_ok()
-        && (0..NAMES.len())
-            .filter(|&i| NAMES[i].starts_with("attn_split_"))
-            .all(|i| {
-                // SAFETY: the function belongs to `kernels`' loaded attention module.
-                unsafe {
-                    ctx.driver()
-                        .allow_wide_clusters(kernels.func(Module::Attention, i))
-                }
-                .is_ok()
-            });
-    if wide {
-        CLUSTER_MAX as u32
-    } else {
-        CLUSTER_PORTABLE
-    }
-}
-
 /// Queues one op of this family.
 pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
     let Op::Attention(a) = op else {
@@ -181,9 +150,6 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
     // parts than the workspace holds (one per ATTN_SPLIT positions of the cache).
     let others = (a.kv_heads * chunks).saturating_mul(a.rows).max(1);
     let parts = (2 * l.sms as usize).div_ceil(others).clamp(1, splits);
-    // The same parts in clusters where they fit one (the merge is the only difference; fewer,
-    // longer parts were measured slower for long sequences: perf-notes 2026-12-05).
-    let cluster = a.workspace.is_some() && parts <= (l.cluster_max as usize).min(CLUSTER_MAX);
     // Rows go on grid z (split kernel) or y (single kernel), parts on y.
     if a.rows > GRID_YZ_MAX
         || splits > GRID_YZ_MAX
@@ -223,7 +189,7 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
         ),
         scale: a.scale,
         nslots: a.slots.map_or(1, |s| s.count).min(u32::MAX as usize) as u32,
-        cluster: u32::from(cluster),
+        pad: 0,
     };
     let x = (a.kv_heads * chunks) as u32;
     match &a.workspace {
@@ -234,17 +200,11 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
                 Module::Attention,
                 kernel_index(false, group, a.k_cache.dtype),
             );
-            let grid = (x, parts as u32, a.rows as u32);
-            if cluster {
-                // SAFETY: as below; in cluster mode the kernel writes `out` itself and never
-                // touches the workspace, and grid y is the cluster's size.
-                return unsafe { l.launch_cluster(split, grid, THREADS, 0, parts as u32, &mut p) };
-            }
             // SAFETY: AttnParams is the parameter of every attention.cu kernel; every address
             // was bounds-checked above (the workspace for the rows · heads · parts partials
             // the kernels write) and stays valid while the stream runs (the caller keeps its
             // buffers alive until a sync).
-            unsafe { l.launch_fn(split, grid, THREADS, 0, &mut p)? };
+            unsafe { l.launch_fn(split, (x, parts as u32, a.rows as u32), THREADS, 0, &mut p)? };
             let merge = l.kernels.func(Module::Attention, MERGE);
             // SAFETY: as above.
             unsafe {
@@ -486,21 +446,6 @@ fn cases(seed: u64) -> Vec<AttnCase> {
             shift: 0,
             seed: next_seed(),
         });
-        // Three rows over 8192 positions: at most 16 parts a row on GPUs of up to 192 SMs, so
-        // clusters where the device has them, each part walking up to 3 chunks first.
-        out.push(AttnCase {
-            dtype,
-            heads: 32,
-            kv_heads: 8,
-            d: 128,
-            cap: 8192,
-            pos: vec![8191, 3000, 100],
-            slots: vec![],
-            nslots: 1,
-            workspace: true,
-            shift: 0,
-            seed: next_seed(),
-        });
         // A batch of sequences in cache slots (an id past the last slot is clamped to it),
         // and a prompt of three positions in one slot among them.
         for workspace in [true, false] {
@@ -527,32 +472,13 @@ fn cases(seed: u64) -> Vec<AttnCase> {
     out
 }
 
-/// This family's twin cases (see `twin`); where the device has clusters, the split cases
-/// once more without them (the split kernel with `attn_merge`, as on older GPUs), named so.
+/// This family's twin cases (see `twin`).
 pub(crate) fn selftest(
     gpu: &CudaDevice,
     cpu: &CpuDevice,
     seed: u64,
 ) -> Result<Vec<SelftestResult>> {
-    let cases = cases(seed);
-    let mut out: Vec<SelftestResult> = cases
-        .iter()
-        .map(|c| twin::run(gpu, cpu, c))
-        .collect::<Result<_>>()?;
-    if gpu.clusters() {
-        gpu.set_clusters(false);
-        let plain: Result<Vec<SelftestResult>> = cases
-            .iter()
-            .filter(|c| c.workspace)
-            .map(|c| twin::run(gpu, cpu, c))
-            .collect();
-        gpu.set_clusters(true);
-        out.extend(plain?.into_iter().map(|mut r| {
-            r.op.push_str(" (no clusters)");
-            r
-        }));
-    }
-    Ok(out)
+    cases(seed).iter().map(|c| twin::run(gpu, cpu, c)).collect()
 }
 
 #[cfg(test)]
@@ -598,7 +524,6 @@ pub(super) mod tests {
         assert_eq!(def("TP_ATTN_MERGE_THREADS"), MERGE_THREADS.to_string());
         assert_eq!(def("TP_ATTN_DMAX"), DMAX.to_string());
         assert_eq!(def("TP_ATTN_GMAX"), GMAX.to_string());
-        assert_eq!(def("TP_ATTN_CLUSTER_MAX"), CLUSTER_MAX.to_string());
     }
 
     /// Every case is valid and runs on the CPU twin (no GPU needed).
@@ -660,25 +585,20 @@ pub(super) mod tests {
     }
 
     /// Timings for the report (run with --ignored on a GPU machine): decode attention (one
-    /// query at the last position) for Llama-3-8B-like shapes, bf16 cache: the split kernel
-    /// in clusters (where the device has them), the split kernel and merge, the single
-    /// kernel; device time from graph replays with PDL as in decode; bandwidth counts the K
-    /// and V bytes read.
+    /// query at the last position) for Llama-3-8B-like shapes, bf16 cache, split kernels
+    /// and merge (or the single kernel), device time from graph replays; bandwidth counts
+    /// the K and V bytes read.
     #[test]
     #[ignore]
     fn attention_timings() {
         let Some(gpu) = crate::cuda::twin::testing::gpu_or_skip() else {
             return;
         };
-        gpu.set_pdl(true);
-        let has_clusters = gpu.clusters();
         // (heads, KV heads, cache rows, rows, positions in use): a short sequence in a
         // large cache is the decode benchmark's case (a 128-token prompt, 4096 rows).
         for (heads, kvh, cap, rows, used) in [
             (32usize, 8usize, 4096usize, 1usize, 256usize),
-            (32, 8, 4096, 1, 384),
             (32, 8, 4096, 1, 1024),
-            (32, 8, 8192, 1, 8192),
             (32, 8, 4096, 1, 4096),
             (32, 8, 32_768, 1, 32_768),
             (8, 2, 4096, 1, 256),
@@ -706,12 +626,7 @@ pub(super) mod tests {
             gpu.write(&pb, 0, &encode_u32(&pos)).unwrap();
             let wl = ops::Attention::<()>::workspace_len(rows, heads, d, cap);
             let ws = gpu.alloc(wl * 4).unwrap();
-            for mode in ["clusters", "split+merge", "single"] {
-                if mode == "clusters" && !has_clusters {
-                    continue;
-                }
-                gpu.set_clusters(mode == "clusters");
-                let split = mode != "single";
+            for split in [true, false] {
                 let op = Op::Attention(ops::Attention {
                     q: View::new(&q, 0, qn, DType::F32),
                     k_cache: View::new(&k, 0, n, dtype),
@@ -730,7 +645,7 @@ pub(super) mod tests {
                 let bytes = 2.0 * (used * kvh * d * 2) as f64;
                 println!(
                     "TIMING attention {} split {ATTN_SPLIT} heads {heads}/{kvh} d {d} bf16 cap {cap} used {used} rows {rows}: {:.2} us, {:.0} GB/s of K+V",
-                    mode,
+                    if split { "split+merge" } else { "single" },
                     t.as_secs_f64() * 1e6,
                     bytes / t.as_secs_f64() / 1e9
                 );

@@ -46,8 +46,6 @@
 #define TP_ATTN_GMAX 8
 // Fewest positions per part (attn_part_len), a multiple of the wavefront.
 #define TP_ATTN_PART_MIN 32
-// Most parts in cluster mode (16: a non-portable cluster size, allowed on H100/H200).
-#define TP_ATTN_CLUSTER_MAX 16
 // Threads of attn_merge: one per output element (head_dim <= TP_ATTN_DMAX).
 #define TP_ATTN_MERGE_THREADS 256
 
@@ -71,7 +69,7 @@ struct AttnParams {
     u32 vec;       // 1 when K and V rows allow 16-byte loads (addresses and head_dim * size)
     float scale;   // score = (q . k) * scale
     u32 nslots;    // slots in the cache (with slots; each of cap rows)
-    u32 cluster;   // 1: the split kernel runs in clusters of `parts` blocks and merges itself
+    u32 pad;
 };
 
 TP_DEV float attn_neg_inf() { return tp_f32_from_bits(0xff800000u); }
@@ -451,50 +449,6 @@ TP_DEV bool attn_range(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& run, co
 // the device: 256 positions over 8 KV heads are 8 parts of 32 keys, 32K positions 33 parts of
 // ~1K keys, so short and long sequences both spread over the SMs. Reads the part's K and V
 // rows of one KV head once and writes G * (d + 2) f32.
-// Cluster mode (p.cluster; sm_90, launched with a cluster of (1, parts, 1) blocks): the
-// parts of one (head chunk, row) are the blocks of one cluster, each with its partial state
-// in its own sm.m / sm.l / sm.o, and they merge it among themselves through distributed
-// shared memory instead of the workspace and attn_merge: block r of the cluster writes output
-// elements r * T + tid, (r + parts) * T + tid, ... of the chunk's gcount * d. The same
-// arithmetic as attn_merge (max over the used parts, then the weighted sums in part order),
-// so the two give the same bits. One launch fewer per attention, and no workspace round trip.
-template <int G>
-TP_DEV void attn_cluster_merge(const AttnParams& p, AttnSmem<G>& sm, const AttnHeads& hd, u32 row, u32 used) {
-    tp_cluster_sync();  // every block's state is in its shared memory
-    const u32 d = p.head_dim, n = hd.gcount * d;
-    const u32 r = tp_cluster_rank();
-    float* out = (float*)p.out;
-    for (u32 i = r * TP_ATTN_THREADS + threadIdx.x; i < n; i += p.parts * TP_ATTN_THREADS) {
-        const u32 g = i / d, j = i % d;
-        // All the loads first (at most TP_ATTN_CLUSTER_MAX parts), then the arithmetic: one
-        // round trip to the other SMs rather than one per part.
-        float mk[TP_ATTN_CLUSTER_MAX], lk[TP_ATTN_CLUSTER_MAX], ok[TP_ATTN_CLUSTER_MAX];
-#pragma unroll
-        for (u32 k = 0; k < TP_ATTN_CLUSTER_MAX; ++k) {
-            if (k < used) {
-                mk[k] = tp_cluster_load(&sm.m[g], k);
-                lk[k] = tp_cluster_load(&sm.l[g], k);
-                ok[k] = tp_cluster_load(&sm.o[g][j], k);
-            }
-        }
-        float m = attn_neg_inf();
-#pragma unroll
-        for (u32 k = 0; k < TP_ATTN_CLUSTER_MAX; ++k)
-            if (k < used) m = fmaxf(m, mk[k]);
-        float o = 0.0f, l = 0.0f;
-#pragma unroll
-        for (u32 k = 0; k < TP_ATTN_CLUSTER_MAX; ++k) {
-            if (k < used) {
-                const float w = expf(mk[k] - m);
-                l += w * lk[k];
-                o += w * ok[k];
-            }
-        }
-        out[((u64)row * p.heads + hd.h0 + g) * d + j] = o / l;
-    }
-    tp_cluster_sync();  // the other blocks read this block's shared memory until here
-}
-
 template <class D, int G>
 TP_DEV void attn_split_kernel(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& run) {
     const AttnHeads hd = attn_heads(p);
@@ -507,13 +461,7 @@ TP_DEV void attn_split_kernel(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& 
     const u64 stride = (u64)d + 2;
     const u64 first = (((u64)row * p.heads + hd.h0) * p.parts + part) * stride;
     const u64 head_step = (u64)p.parts * stride;  // from head h to h + 1
-    const u32 used = pos / len + 1;  // parts that hold positions (attn_merge's count)
     if (b > pos) {
-        if (p.cluster) {
-            // Empty: no state to offer, but the cluster's barriers need every block.
-            attn_cluster_merge<G>(p, sm, hd, row, used);
-            return;
-        }
         // Nothing to see here (the whole block takes this branch): an empty partial.
         if (threadIdx.x < hd.gcount) {
             float* w = ws + first + threadIdx.x * head_step;
@@ -527,18 +475,6 @@ TP_DEV void attn_split_kernel(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& 
     __syncthreads();
     const u64 hoff = (u64)hd.kvh * d * D::SIZE + attn_slot_off(p, row, D::SIZE);
     const bool in_run = attn_range<D, G>(p, sm, run, (const u8*)p.k + hoff, (const u8*)p.v + hoff, b, e);
-    if (p.cluster) {
-        // The state where the other blocks look for it (attn_range ended with a barrier).
-        if (in_run) {
-            for (u32 i = threadIdx.x; i < (u32)G * d; i += TP_ATTN_THREADS) sm.o[i / d][i % d] = run.o[i / d][i % d];
-            if (threadIdx.x < (u32)G) {
-                sm.m[threadIdx.x] = run.m[threadIdx.x];
-                sm.l[threadIdx.x] = run.l[threadIdx.x];
-            }
-        }
-        attn_cluster_merge<G>(p, sm, hd, row, used);
-        return;
-    }
     const float* m = in_run ? run.m : sm.m;
     const float* l = in_run ? run.l : sm.l;
     for (u32 i = threadIdx.x; i < hd.gcount * (u32)stride; i += TP_ATTN_THREADS) {

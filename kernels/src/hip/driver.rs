@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use super::{c_buf, HipRuntime};
 use crate::driver::{
     Attr, Caps, Ctx, DResult, DevPtr, Driver, DriverError, Event, Function, Graph, GraphExec,
-    IpcHandle, LaunchOpts, Module, Stream, IPC_HANDLE_BYTES,
+    IpcHandle, Module, Stream, IPC_HANDLE_BYTES,
 };
 use crate::KernelError;
 
@@ -219,7 +219,6 @@ unsafe impl Driver for HipDriver {
         Caps {
             backend: "hip",
             pdl: false,
-            clusters: false,
             vmm: false,
             atomic_u64_peer_stores: false,
             mma_sync: false,
@@ -729,10 +728,6 @@ unsafe impl Driver for HipDriver {
         Ok(n.max(0) as u32)
     }
 
-    unsafe fn allow_wide_clusters(&self, _f: Function) -> DResult<()> {
-        Err(DriverError::unsupported("thread block clusters"))
-    }
-
     unsafe fn launch(
         &self,
         f: Function,
@@ -741,16 +736,11 @@ unsafe impl Driver for HipDriver {
         smem: u32,
         s: Stream,
         params: *mut *mut c_void,
-        opts: LaunchOpts,
+        pdl: bool,
     ) -> DResult<()> {
-        if opts.pdl {
+        if pdl {
             return Err(DriverError::unsupported(
                 "hipModuleLaunchKernel (programmatic dependent launch)",
-            ));
-        }
-        if opts.cluster_y > 1 {
-            return Err(DriverError::unsupported(
-                "hipModuleLaunchKernel (thread block clusters)",
             ));
         }
         self.check(
