@@ -512,8 +512,8 @@ TP_DEV void tc_split(float x0, float x1, u32 (&s)[3]) {
 #pragma unroll
     for (int i = 0; i < 3; ++i) {
         s[i] = tc_bf16x2(x0, x1);
-        x0 -= __uint_as_float(s[i] << 16);
-        x1 -= __uint_as_float(s[i] & 0xffff0000u);
+        x0 -= tp_f32_from_bits(s[i] << 16);
+        x1 -= tp_f32_from_bits(s[i] & 0xffff0000u);
     }
 }
 
@@ -678,8 +678,8 @@ TP_DEV void gemm_tc(const GemvParams& p) {
 #pragma unroll
             for (int t = 0; t < TG; ++t) {
                 float v = ss[t];
-                v += __shfl_xor_sync(0xffffffffu, v, 1);
-                v += __shfl_xor_sync(0xffffffffu, v, 2);
+                v += tp_shfl_xor(v, 1);
+                v += tp_shfl_xor(v, 2);
                 if (c == 0) sq[warp][8 * t + g] = v;
             }
         }

@@ -24,7 +24,7 @@
 // s · (Σ a_i q_i − z · Σ a_i): the zero is folded into a per-(chunk, token) Σ a shared by the
 // R rows, so each weight needs only q as a float. On CUDA a nibble masked in place, bits
 // q · 2^(4j) below 2^24, read as an f32 is q · 2^(4j) · 2^-149 exactly (a subnormal, or
-// exponent field 1, which continues the same scale), so `fmaf(a', __uint_as_float(w & mask),
+// exponent field 1, which continues the same scale), so `fmaf(a', tp_f32_from_bits(w & mask),
 // acc_j)` is one AND and one FMA. The activations are pre-scaled by 2^64 (a' = a · 2^64, one
 // multiply per activation per wave, shared by R rows) so that the products a·q·2^(4j−85) are
 // normal for |a| between 2^−40 and 2^60; the fma rounds once, as a plain f32 FMA would. Four
@@ -105,12 +105,12 @@ struct GemvQ4Params {
 #define TP_Q4_XSCALE 0x1p64f  // a' = a · 2^64
 #define TP_Q4_DSCALE 0x1p85f  // Σ a q = acc_0 · 2^85 (acc_j · 2^(85 − 4j))
 // q · 2^(4j) · 2^-149, exactly: `bits` (a nibble masked in place, below 2^16) as an f32.
-TP_DEV float q4_nib(u32 bits) { return __uint_as_float(bits); }
+TP_DEV float q4_nib(u32 bits) { return tp_f32_from_bits(bits); }
 #else
 #define TP_Q4_XSCALE 1.0f
 #define TP_Q4_DSCALE 1.0f
 // q · 2^(4j), exactly: 2^23 + bits − 2^23.
-TP_DEV float q4_nib(u32 bits) { return __uint_as_float(bits | 0x4b000000u) - 8388608.0f; }
+TP_DEV float q4_nib(u32 bits) { return tp_f32_from_bits(bits | 0x4b000000u) - 8388608.0f; }
 #endif
 
 TP_DEV u32 q4_min(u32 a, u32 b) { return a < b ? a : b; }
