@@ -387,6 +387,10 @@ struct SampleRow<'a, B> {
     history: View<'a, B>,
 }
 
+/// Work queued on a model's device for [`Model::capture_step`]: the model and the
+/// communicator are passed in, as the capture holds both.
+type StepFn<'a, M, D> = &'a mut dyn FnMut(&M, &mut dyn Collectives<D>) -> Result<(), RankError>;
+
 /// One rank's shard of the model.
 pub struct Model<D: Device> {
     dev: Arc<D>,
@@ -1134,22 +1138,11 @@ impl<D: Device> Model<D> {
             && self.cfg.hybrid.is_none()
             && comm.capturable(m * self.cfg.hidden * 4);
         if capturable && !self.batch_graphs.contains_key(&m) {
-            let e0 = comm.epoch();
             tracing::debug!("step_batch: capturing the forward of {m} rows");
-            let captured = {
-                let this = &*self;
-                let fwd = this.batch_rows(m);
-                this.dev.capture(&mut || {
-                    this.forward(comm, &fwd, Logits::First(m), true)
-                        .map_err(|e| match e {
-                            RankError::Kernel(k) => k,
-                            other => tprun_kernels::KernelError::Backend(other.to_string()),
-                        })
-                })
-            };
-            // Capturing queued nothing: the communicator's epochs did not move.
-            let held = comm.epoch().wrapping_sub(e0);
-            comm.set_epoch(e0);
+            let fwd = self.batch_rows(m);
+            let (captured, held) = self.capture_step(comm, &mut |this, comm| {
+                this.forward(comm, &fwd, Logits::First(m), true)
+            });
             // A failed capture costs only speed: such steps run directly (and report any
             // error that is not the capture's own).
             let graph = match captured {
@@ -1189,6 +1182,27 @@ impl<D: Device> Model<D> {
     }
 
     /// The first `m` rows of the step buffer, each in the cache slot its id says.
+    /// Captures what `step` queues as one device graph, without running it. Capturing
+    /// queues nothing, so the communicator's epoch is put back where it was; returns the
+    /// capture's outcome and how many allreduces the graph holds (what each replay must add
+    /// to the epoch).
+    fn capture_step(
+        &self,
+        comm: &mut dyn Collectives<D>,
+        step: StepFn<'_, Self, D>,
+    ) -> (tprun_kernels::Result<Option<D::Graph>>, u32) {
+        let e0 = comm.epoch();
+        let captured = self.dev.capture(&mut || {
+            step(self, comm).map_err(|e| match e {
+                RankError::Kernel(k) => k,
+                other => tprun_kernels::KernelError::Backend(other.to_string()),
+            })
+        });
+        let held = comm.epoch().wrapping_sub(e0);
+        comm.set_epoch(e0);
+        (captured, held)
+    }
+
     fn batch_rows(&self, m: usize) -> Rows<'_, D::Buf> {
         Rows {
             m,
@@ -1241,22 +1255,11 @@ impl<D: Device> Model<D> {
             && comm.capturable(self.plan.world * 2 * TOPK_MAX * 4);
         if self.use_graph && capturable && self.graph.as_ref().is_none_or(|g| g.2 != *p) {
             self.graph = None;
-            let e0 = comm.epoch();
             let l0 = self.dev.launches();
             tracing::debug!("decode: capturing the step");
-            let captured = {
-                let this = &*self;
-                this.dev.capture(&mut || {
-                    this.run_step(comm, Some(p)).map_err(|e| match e {
-                        RankError::Kernel(k) => k,
-                        other => tprun_kernels::KernelError::Backend(other.to_string()),
-                    })
-                })?
-            };
-            // Capturing queued nothing: the device counters did not move.
-            let n = comm.epoch().wrapping_sub(e0);
-            comm.set_epoch(e0);
-            self.graph = captured.map(|g| (g, n, *p));
+            let (captured, n) =
+                self.capture_step(comm, &mut |this, comm| this.run_step(comm, Some(p)));
+            self.graph = captured?.map(|g| (g, n, *p));
             info.launches = self.dev.launches() - l0;
             tracing::debug!(
                 "decode: captured: {}, {n} allreduces, {} launches",
