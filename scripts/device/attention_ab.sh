@@ -30,16 +30,7 @@ grep TIMING "$out/attn-timings.log"
 "$root/scripts/device/decode_ab.sh" --selftest "$new" "$base" || status=1
 if [ "${PEER:-0}" = 1 ]; then
     echo "== device copy bandwidth"
-    python3 - <<'PY' | tee "$out/copy.txt"
-import torch
-x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
-for _ in range(3): y.copy_(x)
-s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-torch.cuda.synchronize(); s.record()
-for _ in range(10): y.copy_(x)
-e.record(); torch.cuda.synchronize(); t = s.elapsed_time(e) / 10 / 1e3
-print(f"device copy 1 GiB: {2 * (1 << 30) / t / 1e12:.2f} TB/s (read + write); 15.0 GB/token at half of it: {(1 << 30) / t / 15.0e9:.0f} tok/s")
-PY
+    python3 "$root/scripts/device/copy_bw.py" | tee "$out/copy.txt" || { echo "FAILED: copy bandwidth"; status=1; }
     echo "== peer: transformers static cache + torch.compile (same checkpoint)"
     PYTHONUNBUFFERED=1 timeout 300 python3 "$root/scripts/peer_hf_decode.py" --model /tmp/l8b --prompt-len 128 --new-tokens 256 --modes compile --repeats 1 --json > "$out/peer.json" 2>"$out/peer.err" || { echo "FAILED: peer"; tail -5 "$out/peer.err"; status=1; }
     cat "$out/peer.json"

@@ -173,16 +173,7 @@ PY
 
 sec_copy() {
     echo "== device copy bandwidth"
-    python3 - <<'PY' | tee "$out/copy.txt"
-import torch
-x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
-for _ in range(3): y.copy_(x)
-s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-torch.cuda.synchronize(); s.record()
-for _ in range(10): y.copy_(x)
-e.record(); torch.cuda.synchronize(); t = s.elapsed_time(e) / 10 / 1e3
-print(f"device copy 1 GiB: {2 * (1 << 30) / t / 1e12:.2f} TB/s (read + write); 15.0 GB/token at half of it: {(1 << 30) / t / 15.0e9:.0f} tok/s")
-PY
+    python3 "$root/scripts/device/copy_bw.py" | tee "$out/copy.txt" || fail "copy bandwidth"
 }
 
 sec_peer() {

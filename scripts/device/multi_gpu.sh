@@ -46,7 +46,8 @@
 #   BACKEND=cpu PRESET=tiny   the whole control flow on the CPU backend with tiny presets (no
 #                             GPU, NCCL, nvidia-smi or torch needed; copy = host memcpy)
 #
-# One GPU within one 10-minute call (estimated 6-8 min, never run yet; carry the binary):
+# One GPU within one 10-minute call (186 s on an H100, 2026-12-05; carry the binary; qwen3-32b
+# needs 68 GB of disk, more than a one-GPU machine's 64 GiB, so QUICK leaves it out):
 #   DEADLINE=$(( $(date +%s) + 570 )) QUICK=1 SIZES=8:64M scripts/device/multi_gpu.sh .devbin/tprun-NEW 4
 # On the CPU, here:
 #   BACKEND=cpu PRESET=tiny SIZES=8:64K NEW_TOKENS=32 Q35_NEW_TOKENS=16 OUT=/tmp/mg-cpu \
@@ -58,6 +59,9 @@ ranks="${2:-4}"
 sizes="${3:-${SIZES:-8:256M}}"
 OUT="${OUT:-/tmp/tprun-multi-gpu}"
 mkdir -p "$OUT"
+# Results of an earlier run in the same folder would be reported as this run's.
+rm -f "$OUT"/selftest.txt "$OUT"/tprun-*.txt "$OUT"/nccl-*.txt "$OUT"/ratio.txt "$OUT"/copy.txt \
+    "$OUT"/dec-*.json "$OUT"/dec-*.err "$OUT"/decode_runs.tsv "$OUT"/decode_table.txt
 # Everything printed also goes to $OUT/multi_gpu.log.
 exec > >(tee "$OUT/multi_gpu.log") 2>&1
 backend="${BACKEND:-cuda}"
@@ -147,7 +151,7 @@ sec_info() {
 sec_selftest() {
     # shellcheck disable=SC2086 # $t is the tprun command line, split into words
     run selftest 300 $t selftest
-    tail -2 "$OUT/selftest.txt"
+    [ ! -f "$OUT/selftest.txt" ] || tail -2 "$OUT/selftest.txt"
 }
 
 sec_allreduce() {
@@ -198,22 +202,7 @@ sec_copy() {
     room 30 copy || return 0
     echo "== device copy bandwidth (1 GiB, read + write)"
     if [ "$backend" = cuda ]; then
-        timeout "$(cap 120)" python3 - "$(echo "$devices" | tr , '\n' | sort -un | tr '\n' ,)" <<'PY' > "$OUT/copy.txt" 2>&1
-import sys, torch
-rates = []
-for d in [int(x) for x in sys.argv[1].split(",") if x]:
-    torch.cuda.set_device(d)
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
-    for _ in range(3): y.copy_(x)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize(); s.record()
-    for _ in range(10): y.copy_(x)
-    e.record(); torch.cuda.synchronize(); t = s.elapsed_time(e) / 10 / 1e3
-    rates.append(2 * (1 << 30) / t / 1e9)
-    print(f"GPU {d} ({torch.cuda.get_device_name(d)}): device copy 1 GiB: {rates[-1] / 1e3:.2f} TB/s (read + write)")
-    del x, y; torch.cuda.empty_cache()
-print(f"per-GPU copy: {sum(rates) / len(rates):.1f} GB/s")
-PY
+        timeout "$(cap 120)" python3 "$root/scripts/device/copy_bw.py" "$devices" > "$OUT/copy.txt" 2>&1
     else
         # The CPU backend's "device" is host memory: a 256 MiB memcpy.
         python3 - <<'PY' > "$OUT/copy.txt" 2>&1
@@ -251,6 +240,7 @@ model_gb() {
     case $1 in llama3-8b) echo 17 ;; qwen3-32b) echo 66 ;; "$q35") echo 29 ;; *) echo 0 ;; esac
 }
 avail_gb() { echo $(( $(df -B1 --output=avail "$models_dir" | tail -1) / 1000000000 )); }
+total_gb() { echo $(( $(df -B1 --output=size "$models_dir" | tail -1) / 1000000000 )); }
 
 # Writes model NAME into $models_dir/NAME; $models_dir/NAME.rc gets "rc seconds" (or "rc
 # reason") when done. With WAIT_SPACE=1, first waits (until DEADLINE) for its size on disk.
@@ -258,6 +248,9 @@ synth_one() {
     local name=$1 dir="$models_dir/$1" args t0 rc
     read -ra args <<< "$(synth_args "$name")"
     if [ -f "$dir/.synth-done" ]; then echo "0 reused" > "$dir.rc"; return; fi
+    # A model larger than the whole disk never fits, whatever is deleted (qwen3-32b, 66 GB, on
+    # a 64 GiB one-GPU machine): said at once, instead of waiting for space.
+    if [ "$(total_gb)" -lt $(( $(model_gb "$name") + 2 )) ]; then echo "1 no-disk-space" > "$dir.rc"; return; fi
     while [ "${WAIT_SPACE:-0}" = 1 ] && [ "$(avail_gb)" -lt $(( $(model_gb "$name") + 2 )) ]; do
         if [ -n "${DEADLINE:-}" ] && [ "$(date +%s)" -ge "$DEADLINE" ]; then echo "1 no-disk-space" > "$dir.rc"; return; fi
         sleep 5
@@ -463,7 +456,10 @@ sec_q35() {
 
 # ---------------------------------------------------------------- main
 for m in $models $q35; do synth_args "$m" > /dev/null || { echo "unknown model $m (llama3-8b, qwen3-32b)"; exit 2; }; done
-for tp in $tps $q35_tps; do
+check_tps=""
+want decode && check_tps="$tps"
+want q35 && check_tps="$check_tps $q35_tps"
+for tp in $check_tps; do
     [ "$tp" -ge 1 ] && [ "$tp" -le "$ranks" ] || { echo "TP $tp: not within 1..RANKS ($ranks)"; exit 2; }
 done
 if want decode; then read -ra to_synth <<< "$models"; fi

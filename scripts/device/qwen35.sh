@@ -95,16 +95,7 @@ synth27() {
 perf() {
     local m=$m27
     [ -d "$m" ] || { room 200 "27b synth and decode" && synth27 || { fail synth; return 0; }; }
-    python3 - <<'PY' | tee "$out/copy.txt"
-import torch
-x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
-for _ in range(3): y.copy_(x)
-s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-torch.cuda.synchronize(); s.record()
-for _ in range(10): y.copy_(x)
-e.record(); torch.cuda.synchronize(); t = s.elapsed_time(e) / 10 / 1e3
-print(f"device copy 1 GiB: {2 * (1 << 30) / t / 1e12:.2f} TB/s (read + write)")
-PY
+    python3 "$root/scripts/device/copy_bw.py" | tee "$out/copy.txt" || fail "copy bandwidth"
     for ranks in 1 4; do
         room 60 "27b TP=$ranks" || return 0
         local dev=(--devices 0) tag="q35-27b-tp$ranks"

@@ -1181,7 +1181,6 @@ impl<D: Device> Model<D> {
             .collect()
     }
 
-    /// The first `m` rows of the step buffer, each in the cache slot its id says.
     /// Captures what `step` queues as one device graph, without running it. Capturing
     /// queues nothing, so the communicator's epoch is put back where it was; returns the
     /// capture's outcome and how many allreduces the graph holds (what each replay must add
@@ -1203,6 +1202,7 @@ impl<D: Device> Model<D> {
         (captured, held)
     }
 
+    /// The first `m` rows of the step buffer, each in the cache slot its id says.
     fn batch_rows(&self, m: usize) -> Rows<'_, D::Buf> {
         Rows {
             m,
