@@ -19,17 +19,23 @@ const MAX_ELEMENTS: usize = 1 << 32;
 pub fn rows(args: &BenchGemvArgs) -> Result<Vec<GemvRow>> {
     let mut rows = Vec::new();
     for s in &args.shapes {
-        let (dims, silu) = match s.strip_suffix(":silu") {
-            Some(d) => (d, true),
-            None => (s.as_str(), false),
+        let (dims, silu, glu) = if let Some(d) = s.strip_suffix(":silu") {
+            (d, true, false)
+        } else if let Some(d) = s.strip_suffix(":glu") {
+            (d, false, true)
+        } else {
+            (s.as_str(), false, false)
         };
         let parsed = dims
             .split_once('x')
             .and_then(|(n, k)| Some((n.parse::<usize>().ok()?, k.parse::<usize>().ok()?)));
         let Some((n, k)) = parsed.filter(|&(n, k)| n > 0 && k > 0 && n <= 1 << 24 && k <= 1 << 24)
         else {
-            bail!("--shapes: '{s}' is not NxK[:silu] with N and K from 1 to 2^24");
+            bail!("--shapes: '{s}' is not NxK[:silu|:glu] with N and K from 1 to 2^24");
         };
+        if glu && !n.is_multiple_of(2) {
+            bail!("--shapes: '{s}': :glu needs an even N (gate rows, then up rows)");
+        }
         // The weights are drawn on the host (4 bytes per element while drawn): 2^32 elements
         // (16 GiB) is far past any model's matrix and still allocatable.
         if n * k > MAX_ELEMENTS {
@@ -59,6 +65,7 @@ pub fn rows(args: &BenchGemvArgs) -> Result<Vec<GemvRow>> {
             k,
             m: args.m,
             silu,
+            glu,
             quant,
         });
     }
@@ -71,6 +78,7 @@ struct RowOut {
     k: usize,
     m: usize,
     prologue: &'static str,
+    epilogue: &'static str,
     quant: String,
     bytes: u64,
     time_us: f64,
@@ -112,15 +120,7 @@ impl Observer for Collector {
                     );
                     println!(
                         "{:>8} {:>8} {:>5} {:>8} {:>14} {:>11} {:>10} {:>8} {:>8}",
-                        "n",
-                        "k",
-                        "m",
-                        "prologue",
-                        "weights",
-                        "bytes",
-                        "time(us)",
-                        "TB/s",
-                        "of copy"
+                        "n", "k", "m", "act", "weights", "bytes", "time(us)", "TB/s", "of copy"
                     );
                 }
             }
@@ -139,6 +139,7 @@ impl Observer for Collector {
                     k: r.k,
                     m: r.m,
                     prologue: if r.silu { "silu_mul" } else { "none" },
+                    epilogue: if r.glu { "silu_mul" } else { "none" },
                     quant: quant_name(r.quant),
                     bytes,
                     time_us: us,
@@ -152,7 +153,11 @@ impl Observer for Collector {
                         out.n,
                         out.k,
                         out.m,
-                        out.prologue,
+                        match (r.silu, r.glu) {
+                            (true, _) => "silu>",
+                            (_, true) => ">silu",
+                            _ => "none",
+                        },
                         out.quant,
                         out.bytes,
                         out.time_us,
@@ -230,8 +235,14 @@ mod tests {
     fn rows_follow_the_flags() {
         let r = rows(&args(&[])).unwrap();
         assert_eq!(r.len(), 2);
-        assert_eq!((r[0].n, r[0].k, r[0].silu), (34816, 5120, false));
-        assert_eq!((r[1].n, r[1].k, r[1].silu), (5120, 17408, true));
+        assert_eq!(
+            (r[0].n, r[0].k, r[0].silu, r[0].glu),
+            (34816, 5120, false, true)
+        );
+        assert_eq!(
+            (r[1].n, r[1].k, r[1].silu, r[1].glu),
+            (5120, 17408, false, false)
+        );
         assert_eq!(
             r[1].quant,
             GemvQuant::Int4 {
@@ -255,6 +266,7 @@ mod tests {
             vec!["--quant", "int8"],
             vec!["--group", "0"],
             vec!["--shapes", "16777216x16777216"],
+            vec!["--shapes", "7x64:glu"],
         ] {
             assert!(rows(&args(&bad)).is_err(), "{bad:?}");
         }

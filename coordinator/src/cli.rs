@@ -276,10 +276,12 @@ pub struct BenchGemvArgs {
     pub quant: String,
 
     /// Shapes NxK (outputs x inputs), comma-separated; `:silu` adds the SiluMul prologue
-    /// (down_proj). Default: the MLP of a 27B Qwen3.5 at TP=1 (gate|up, then down).
+    /// (x is [gate | up], activated as read), `:glu` the SiluMul epilogue (the N rows are gate
+    /// then up; y gets silu(gate) · up, N/2 wide). Default: the MLP of a 27B Qwen3.5 at TP=1
+    /// as decode runs it (gate|up with the epilogue, then a plain down).
     #[arg(
         long,
-        default_value = "34816x5120,5120x17408:silu",
+        default_value = "34816x5120:glu,5120x17408",
         value_delimiter = ','
     )]
     pub shapes: Vec<String>,

@@ -31,8 +31,9 @@ fn rows(extra: &[&str]) -> Vec<serde_json::Value> {
 
 #[test]
 fn int4_and_dense_rows_run_on_the_cpu() {
-    let r = rows(&["--shapes", "64x256,32x512:silu"]);
-    assert_eq!(r.len(), 2);
+    let r = rows(&["--shapes", "64x256,32x512:silu,64x256:glu"]);
+    assert_eq!(r.len(), 3);
+    assert_eq!(r[2]["epilogue"], "silu_mul");
     // int4 at group 128: n·k/2 bytes of nibbles, 2 per scale, 4 per zeros word of 8 groups.
     assert_eq!(r[0]["bytes"], 64 * 256 / 2 + 64 * 2 * 2 + 64 * 4);
     assert_eq!(r[1]["prologue"], "silu_mul");

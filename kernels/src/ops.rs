@@ -699,7 +699,8 @@ impl<B> AddNormMatmul<'_, B> {
 /// [`Matmul`] over GPTQ int4 weights in the layout of [`crate::int4`]: `y = f(x) · wᵀ`, with
 /// `w[row][perm[j]] += (q[row][j] − z[row][j / group]) · s[row][j / group]` over the `kq =
 /// groups · group` stored inputs j, accumulated in f32. `x`, `f`, `y`, `m` as in [`Matmul`]
-/// (`x`: [m, k] or, with [`Prologue::SiluMul`], [m, 2k]; `y`: [m, n] f32, not overlapping x);
+/// (`x`: [m, k] or, with [`Prologue::SiluMul`], [m, 2k]; `y`: [m, n] f32, or [m, n/2] with
+/// [`Epilogue::SiluMul`], not overlapping x);
 /// `qweight`: [n, kq/8] u32; `scales`: [n, groups] f16; `zeros`: [n, ⌈groups/8⌉] u32;
 /// `perm`: [kq] u32, each < k (None: kq = k and stored input j is input j): a contract of the
 /// caller, since the values live in device memory where `validate` cannot read them (the CPU
@@ -717,6 +718,9 @@ pub struct MatmulInt4<'a, B> {
     pub group: usize,
     pub groups: usize,
     pub prologue: Prologue,
+    /// As [`Matmul`]'s: with SiluMul, `qweight`'s rows are the gate rows then the up rows and
+    /// `y`: [m, n/2] (the int4 gate|up writing the activation that down_proj reads plain).
+    pub epilogue: Epilogue,
 }
 
 impl<B> MatmulInt4<'_, B> {
@@ -728,6 +732,20 @@ impl<B> MatmulInt4<'_, B> {
     pub fn validate(&self) -> Result<()> {
         let op = "matmul_int4";
         let (g, kq) = (self.group, self.kq());
+        if self.epilogue == Epilogue::SiluMul {
+            if self.prologue == Prologue::SiluMul {
+                return Err(bad(op, "a SiluMul prologue and epilogue together"));
+            }
+            if !self.n.is_multiple_of(2) {
+                return Err(bad(
+                    op,
+                    format!(
+                        "the SiluMul epilogue needs an even n (gate | up), got {}",
+                        self.n
+                    ),
+                ));
+            }
+        }
         if g == 0 || !g.is_multiple_of(8) || self.groups == 0 || self.k == 0 {
             return Err(bad(
                 op,
@@ -764,7 +782,13 @@ impl<B> MatmulInt4<'_, B> {
             self.n * self.groups.div_ceil(8),
             U32,
         )?;
-        expect(op, "y", &self.y, self.m * self.n, F32)
+        expect(
+            op,
+            "y",
+            &self.y,
+            self.m * self.epilogue.y_width(self.n),
+            F32,
+        )
     }
 }
 
@@ -948,8 +972,17 @@ mod tests {
             group: 128,
             groups: 2,
             prologue: Prologue::None,
+            epilogue: Epilogue::None,
         };
         ok.validate().unwrap();
+        // The epilogue halves y.
+        MatmulInt4 {
+            y: v(2, DType::F32),
+            epilogue: Epilogue::SiluMul,
+            ..ok
+        }
+        .validate()
+        .unwrap();
         // A perm may cover more stored inputs than k (padded groups of a desc_act shard).
         MatmulInt4 {
             x: v(200, DType::F32),
@@ -972,6 +1005,27 @@ mod tests {
             },
             MatmulInt4 {
                 prologue: Prologue::SiluMul,
+                ..ok
+            },
+            // y of n rows under the epilogue; both SiluMuls; an odd n under the epilogue.
+            MatmulInt4 {
+                epilogue: Epilogue::SiluMul,
+                ..ok
+            },
+            MatmulInt4 {
+                x: v(512, DType::F32),
+                y: v(2, DType::F32),
+                prologue: Prologue::SiluMul,
+                epilogue: Epilogue::SiluMul,
+                ..ok
+            },
+            MatmulInt4 {
+                qweight: v(3 * 32, DType::U32),
+                scales: v(3 * 2, DType::F16),
+                zeros: v(3, DType::U32),
+                y: v(1, DType::F32),
+                n: 3,
+                epilogue: Epilogue::SiluMul,
                 ..ok
             },
         ] {

@@ -82,6 +82,11 @@ fn op<'a, B>(
     } else {
         Prologue::None
     };
+    let epilogue = if r.glu {
+        Epilogue::SiluMul
+    } else {
+        Epilogue::None
+    };
     match r.quant {
         GemvQuant::Dense(_) => Op::Matmul(Matmul {
             x,
@@ -92,7 +97,7 @@ fn op<'a, B>(
             k: r.k,
             n: r.n,
             prologue,
-            epilogue: Epilogue::None,
+            epilogue,
         }),
         GemvQuant::Int4 { group, desc_act } => Op::MatmulInt4(MatmulInt4 {
             x,
@@ -107,6 +112,7 @@ fn op<'a, B>(
             group,
             groups: r.k / group,
             prologue,
+            epilogue,
         }),
     }
 }
@@ -200,10 +206,11 @@ pub fn run<D: Device>(
             let x: Vec<f32> = (0..r.m * xk).map(|_| rng.f32_sym()).collect();
             let bx = dev.alloc(x.len() * 4)?;
             dev.write(&bx, 0, &tprun_kernels::dtype::encode(DType::F32, &x))?;
-            let by = dev.alloc(r.m * r.n * 4)?;
+            let yn = if r.glu { r.n / 2 } else { r.n };
+            let by = dev.alloc(r.m * yn * 4)?;
             let (xv, yv) = (
                 View::new(&bx, 0, x.len(), DType::F32),
-                View::new(&by, 0, r.m * r.n, DType::F32),
+                View::new(&by, 0, r.m * yn, DType::F32),
             );
             let ops: Vec<_> = ws.iter().map(|w| op(r, w, &lens, xv, yv)).collect();
             let (s, graph) = time_calls(dev, &ops, spec.warmup, iters)?;

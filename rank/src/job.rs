@@ -154,6 +154,8 @@ pub struct GemvRow {
     pub m: usize,
     /// The SiluMul prologue (down_proj's silu(gate) · up).
     pub silu: bool,
+    /// The SiluMul epilogue (gate|up writing silu(gate) · up, [m, n/2]; n even).
+    pub glu: bool,
     pub quant: GemvQuant,
 }
 

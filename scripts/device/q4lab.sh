@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Tuning bench for gemv_q4.cu (scripts/device/q4lab.cu), one call on the GPU machine:
-#   scripts/device/q4lab.sh [ncu]
+#   [LAB_QUICK=1] [NCU_K=regex:...] scripts/device/q4lab.sh [ncu]
 # Builds q4lab with nvcc, runs it (ceilings, then each variant checked and timed), and with
 # `ncu` profiles one launch of each variant under Nsight Compute (summary printed, the full
-# report in $OUT/ncu.txt).
+# report in $OUT/ncu.txt, the stall reasons per issued instruction listed). LAB_QUICK=1: only
+# production and the by-chunk variants (T, TE).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 out="${OUT:-$root/out}"
@@ -21,9 +22,12 @@ if [ "${1:-}" = ncu ]; then
     ncu --clock-control none -k "${NCU_K:-regex:gemv_q4|lab_}" \
         --section SpeedOfLight --section Occupancy --section LaunchStats \
         --section SchedulerStats --section WarpStateStats \
+        --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
         /tmp/q4lab ncu > "$out/ncu.txt" 2>&1
     grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Active Warps Per|Eligible Warps" "$out/ncu.txt" | head -150
     grep -iE "error|warn" "$out/ncu.txt" | head -5
+    # The stall reasons above 0.3 cycles per issued instruction, per kernel.
+    awk '/^  [a-zA-Z_]+.*\(/ {print} /average_warps_issue_stalled/ && $NF+0 > 0.3 {sub(/smsp__average_warps_issue_stalled_/, "  stall "); print}' "$out/ncu.txt" | head -120
 fi
 if [ "${1:-}" = sass ]; then
     # Static opcode histogram of the named kernels (mangled-name substrings in $2, comma-separated).

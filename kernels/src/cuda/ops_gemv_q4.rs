@@ -20,7 +20,7 @@ use super::{CudaDevice, SelftestResult};
 use crate::cpu::CpuDevice;
 use crate::device::{Op, View};
 use crate::int4::{Int4Host, PACK};
-use crate::ops::{MatmulInt4, Prologue};
+use crate::ops::{Epilogue, MatmulInt4, Prologue};
 use crate::{DType, KernelError, Result};
 
 /// The kernels of gemv_q4.cu, in the order the launcher indexes them: [`kernel_index`].
@@ -33,6 +33,10 @@ pub(crate) const NAMES: &[&str] = &[
     "gemv_q4_k_silu",
     "gemv_q4_kb",
     "gemv_q4_kb_silu",
+    "gemv_q4_e",
+    "gemm_q4_e",
+    "gemv_q4_k_e",
+    "gemv_q4_kb_e",
 ];
 
 /// Rows per batch of `gemv_q4_k*` (gemv_q4.cu TP_Q4K_ROWS) and of `gemv_q4_kb*`
@@ -81,8 +85,12 @@ struct GemvQ4Params {
 }
 const _: () = assert!(std::mem::size_of::<GemvQ4Params>() == 80);
 
-/// Index into [`NAMES`]: 2 · (m > 1) + (SiluMul).
-fn kernel_index(m: usize, prologue: Prologue) -> usize {
+/// Index into [`NAMES`] of the row-group kernels: 2 · (m > 1) + (SiluMul prologue), or
+/// 8 + (m > 1) with the SiluMul epilogue (validate() excludes both together).
+fn kernel_index(m: usize, prologue: Prologue, epilogue: Epilogue) -> usize {
+    if epilogue == Epilogue::SiluMul {
+        return 8 + usize::from(m > 1);
+    }
     2 * usize::from(m > 1) + usize::from(prologue == Prologue::SiluMul)
 }
 
@@ -94,16 +102,20 @@ struct Plan {
     block: u32,
 }
 
-/// One wave per R rows; `MAX_WAVES` waves per block, halved while that would leave fewer
-/// than two blocks per SM; one grid row per tile of [`TOKENS`] tokens when m > 1.
-fn plan(m: usize, n: usize, prologue: Prologue, sms: u32) -> Plan {
-    let index = kernel_index(m, prologue);
+/// One wave per R rows (R/2 rows of y with the epilogue: a wave's gate rows and their up
+/// rows); `MAX_WAVES` waves per block, halved while that would leave fewer than two blocks
+/// per SM; one grid row per tile of [`TOKENS`] tokens when m > 1.
+fn plan(m: usize, n: usize, prologue: Prologue, epilogue: Epilogue, sms: u32) -> Plan {
+    let index = kernel_index(m, prologue, epilogue);
     let rows = match (m > 1, prologue) {
         (true, _) => ROWS_TILE,
         (false, Prologue::None) => ROWS,
         (false, Prologue::SiluMul) => ROWS_SILU,
     };
-    let groups = n.div_ceil(rows);
+    let groups = match epilogue {
+        Epilogue::None => n.div_ceil(rows),
+        Epilogue::SiluMul => (n / 2).div_ceil(rows / 2),
+    };
     let mut waves = MAX_WAVES;
     while waves > 1 && groups.div_ceil(waves) < 2 * sms as usize {
         waves /= 2;
@@ -121,18 +133,28 @@ fn plan(m: usize, n: usize, prologue: Prologue, sms: u32) -> Plan {
     }
 }
 
-/// The by-chunk decode kernels (gemv_q4.cu `_k`): (kernel index, threads, rows per batch)
-/// when m = 1, the 16-byte path applies and kq / 32 threads fit a block; else `None`.
-fn k_plan(m: usize, kq: usize, vec: bool, prologue: Prologue) -> Option<(usize, u32, usize)> {
+/// The by-chunk decode kernels (gemv_q4.cu `_k`): (kernel index, threads, rows of y per
+/// batch: half the rows read with the epilogue) when m = 1, the 16-byte path applies and
+/// kq / 32 threads fit a block; else `None`.
+fn k_plan(
+    m: usize,
+    kq: usize,
+    vec: bool,
+    prologue: Prologue,
+    epilogue: Epilogue,
+) -> Option<(usize, u32, usize)> {
     let threads = (kq / 32).div_ceil(WAVE as usize) * WAVE as usize;
     if m != 1 || !vec || threads == 0 || threads > K_MAX_THREADS_BIG {
         return None;
     }
-    let silu = usize::from(prologue == Prologue::SiluMul);
-    Some(if threads <= K_MAX_THREADS {
-        (4 + silu, threads as u32, K_ROWS)
-    } else {
-        (6 + silu, threads as u32, K_ROWS_BIG)
+    let big = threads > K_MAX_THREADS;
+    let rows = if big { K_ROWS_BIG } else { K_ROWS };
+    Some(match epilogue {
+        Epilogue::SiluMul => (10 + usize::from(big), threads as u32, rows / 2),
+        Epilogue::None => {
+            let silu = usize::from(prologue == Prologue::SiluMul);
+            (4 + 2 * usize::from(big) + silu, threads as u32, rows)
+        }
     })
 }
 
@@ -189,19 +211,19 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
         && a.group.is_multiple_of(32)
         && qweight.is_multiple_of(16)
         && acts_aligned;
-    let p = match k_plan(a.m, a.kq(), vec, a.prologue) {
+    let p = match k_plan(a.m, a.kq(), vec, a.prologue, a.epilogue) {
         Some((index, threads, rows)) => {
             // A persistent grid: as many blocks as fit at once, each walking batches of rows.
             let f = l.kernels.func(Module::GemvQ4, index);
             let per_sm = l.kernels.occupancy(f, threads)?.max(1) as usize;
-            let batches = a.n.div_ceil(rows);
+            let batches = a.epilogue.y_width(a.n).div_ceil(rows);
             Plan {
                 index,
                 grid: (batches.min(per_sm * l.sms as usize) as u32, 1, 1),
                 block: threads,
             }
         }
-        None => plan(a.m, a.n, a.prologue, l.sms),
+        None => plan(a.m, a.n, a.prologue, a.epilogue, l.sms),
     };
     let mut params = GemvQ4Params {
         x,
@@ -239,6 +261,7 @@ struct Spec {
     gl: usize,
     desc_act: bool,
     prologue: Prologue,
+    epilogue: Epilogue,
 }
 
 /// A twin case: its shape, its weights in the device layout and its activations.
@@ -284,7 +307,7 @@ fn u32_bytes(v: &[u32]) -> Vec<u8> {
 impl TwinCase for Int4Case {
     fn name(&self) -> String {
         format!(
-            "matmul_int4 m {} k {} n {} group {}{}{}",
+            "matmul_int4 m {} k {} n {} group {}{}{}{}",
             self.s.m,
             self.s.k,
             self.s.n,
@@ -292,6 +315,11 @@ impl TwinCase for Int4Case {
             if self.s.desc_act { " desc_act" } else { "" },
             if self.s.prologue == Prologue::SiluMul {
                 " silu_mul"
+            } else {
+                ""
+            },
+            if self.s.epilogue == Epilogue::SiluMul {
+                " then silu_mul"
             } else {
                 ""
             },
@@ -316,7 +344,10 @@ impl TwinCase for Int4Case {
         if let Some(p) = &h.perm {
             b.push(Buf::input(DType::U32, u32_bytes(p)));
         }
-        b.push(Buf::output(DType::F32, self.s.m * self.s.n));
+        b.push(Buf::output(
+            DType::F32,
+            self.s.m * self.s.epilogue.y_width(self.s.n),
+        ));
         b
     }
 
@@ -334,6 +365,7 @@ impl TwinCase for Int4Case {
             group: self.h.group,
             groups: self.h.groups,
             prologue: self.s.prologue,
+            epilogue: self.s.epilogue,
         })
     }
 
@@ -345,11 +377,37 @@ impl TwinCase for Int4Case {
     fn tol(&self) -> Tol {
         Tol::Rel(1e-4)
     }
+
+    /// With the epilogue, y = silu(a) · b of two f32 sums: its error is ~|b| · δa (see
+    /// ops_gemv.rs's cases), so the tolerance is relative to (1 + |a|)(1 + |b|), computed in
+    /// f64 from the dequantised weights (exact in f32) and the inputs.
+    fn magnitudes(&self, buf: usize) -> Option<Vec<f32>> {
+        let s = &self.s;
+        let y_buf = 4 + usize::from(self.h.perm.is_some());
+        if s.epilogue != Epilogue::SiluMul || buf != y_buf {
+            return None;
+        }
+        let x = crate::dtype::decode(DType::F32, &self.x);
+        let w = self.h.dequantize();
+        let (k, h) = (s.k, s.n / 2);
+        let sum = |t: usize, row: usize| -> f64 {
+            let (xr, wr) = (&x[t * k..(t + 1) * k], &w[row * k..(row + 1) * k]);
+            xr.iter().zip(wr).map(|(a, b)| *a as f64 * *b as f64).sum()
+        };
+        let mut out = Vec::with_capacity(s.m * h);
+        for t in 0..s.m {
+            for j in 0..h {
+                out.push(((1.0 + sum(t, j).abs()) * (1.0 + sum(t, h + j).abs())) as f32);
+            }
+        }
+        Some(out)
+    }
 }
 
 /// This family's twin cases: group sizes 32, 64, 128 and k (one group), with and without
 /// `desc_act`, decode and prefill, both prologues; a k that takes the word-at-a-time path; and
-/// one decode-sized product of each prologue that fills every SM.
+/// one decode-sized product of each prologue that fills every SM; the SiluMul epilogue on
+/// every kernel that has it.
 fn specs() -> Vec<Spec> {
     let spec = |m, k, n, gl, desc_act, silu: bool| Spec {
         m,
@@ -362,6 +420,11 @@ fn specs() -> Vec<Spec> {
         } else {
             Prologue::None
         },
+        epilogue: Epilogue::None,
+    };
+    let epi = |m, k, n, gl, desc_act| Spec {
+        epilogue: Epilogue::SiluMul,
+        ..spec(m, k, n, gl, desc_act, false)
     };
     let mut v = Vec::new();
     let mut i = 0usize;
@@ -390,6 +453,16 @@ fn specs() -> Vec<Spec> {
     v.push(spec(1, 4096, 4096, 128, false, false));
     v.push(spec(1, 4096, 4096, 128, false, true));
     v.push(spec(1, 2048, 1024, 128, true, true));
+    // The epilogue: `_k_e` (one and many batches, the last partial), `_kb_e`, the row-group
+    // kernel (the word path) and the prefill tiles, with desc_act on two.
+    v.push(epi(1, 256, 40, 32, false));
+    v.push(epi(1, 5120, 2202, 128, false));
+    v.push(epi(1, 4096, 4096, 128, true));
+    v.push(epi(1, 12288, 40, 128, false));
+    v.push(epi(1, 12288, 2202, 128, false));
+    v.push(epi(1, 200, 24, 40, false));
+    v.push(epi(3, 1024, 136, 128, true));
+    v.push(epi(9, 256, 40, 64, false));
     v
 }
 
@@ -427,11 +500,18 @@ mod tests {
 
     #[test]
     fn names_follow_the_index() {
-        assert_eq!(NAMES[kernel_index(1, Prologue::None)], "gemv_q4");
-        assert_eq!(NAMES[kernel_index(1, Prologue::SiluMul)], "gemv_q4_silu");
-        assert_eq!(NAMES[kernel_index(4, Prologue::None)], "gemm_q4");
-        assert_eq!(NAMES[kernel_index(4, Prologue::SiluMul)], "gemm_q4_silu");
-        let k = |kq, pro| k_plan(1, kq, true, pro).map(|(i, t, r)| (NAMES[i], t, r));
+        let (none, silu, epi) = (Prologue::None, Prologue::SiluMul, Epilogue::SiluMul);
+        let ne = Epilogue::None;
+        assert_eq!(NAMES[kernel_index(1, none, ne)], "gemv_q4");
+        assert_eq!(NAMES[kernel_index(1, silu, ne)], "gemv_q4_silu");
+        assert_eq!(NAMES[kernel_index(4, none, ne)], "gemm_q4");
+        assert_eq!(NAMES[kernel_index(4, silu, ne)], "gemm_q4_silu");
+        assert_eq!(NAMES[kernel_index(1, none, epi)], "gemv_q4_e");
+        assert_eq!(NAMES[kernel_index(4, none, epi)], "gemm_q4_e");
+        let ke = |kq| k_plan(1, kq, true, none, epi).map(|(i, t, r)| (NAMES[i], t, r));
+        assert_eq!(ke(5120), Some(("gemv_q4_k_e", 160, 2)));
+        assert_eq!(ke(17408), Some(("gemv_q4_kb_e", 544, 1)));
+        let k = |kq, pro| k_plan(1, kq, true, pro, ne).map(|(i, t, r)| (NAMES[i], t, r));
         assert_eq!(k(5120, Prologue::None), Some(("gemv_q4_k", 160, 4)));
         assert_eq!(k(4352, Prologue::SiluMul), Some(("gemv_q4_k_silu", 160, 4)));
         assert_eq!(
@@ -441,8 +521,9 @@ mod tests {
         assert_eq!(k(17408, Prologue::None), Some(("gemv_q4_kb", 544, 2)));
         assert_eq!(k(20480, Prologue::None), Some(("gemv_q4_kb", 640, 2)));
         assert_eq!(k(20512, Prologue::None), None);
-        assert_eq!(k_plan(2, 5120, true, Prologue::None), None);
-        assert_eq!(k_plan(1, 5120, false, Prologue::None), None);
+        assert_eq!(k_plan(2, 5120, true, none, ne), None);
+        assert_eq!(k_plan(1, 5120, false, none, ne), None);
+        assert_eq!(k_plan(2, 5120, true, none, epi), None);
     }
 
     /// The `#define`s of gemv_q4.cu must equal the Rust mirrors, and every kernel of NAMES
@@ -473,13 +554,17 @@ mod tests {
     fn plan_fills_the_sms() {
         let sms = 132;
         // gate|up of the 27B at TP=1: 8704 waves of 4 rows, 4 per block.
-        let p = plan(1, 34816, Prologue::None, sms);
+        let ne = Epilogue::None;
+        let p = plan(1, 34816, Prologue::None, ne, sms);
         assert_eq!((p.index, p.grid, p.block), (0, (2176, 1, 1), 128));
+        // The same with the epilogue: 8704 waves of 2 gate + 2 up rows.
+        let p = plan(1, 34816, Prologue::None, Epilogue::SiluMul, sms);
+        assert_eq!((p.index, p.grid, p.block), (8, (2176, 1, 1), 128));
         // down with the prologue: 640 waves of 8 rows; 160 blocks of 4 would be under 2 per
         // SM, so 320 blocks of 2 waves.
-        let p = plan(1, 5120, Prologue::SiluMul, sms);
+        let p = plan(1, 5120, Prologue::SiluMul, ne, sms);
         assert_eq!((p.index, p.grid, p.block), (1, (320, 1, 1), 64));
-        let p = plan(19, 512, Prologue::SiluMul, sms);
+        let p = plan(19, 512, Prologue::SiluMul, ne, sms);
         assert_eq!((p.index, p.grid, p.block), (3, (256, 3, 1), 32));
     }
 

@@ -249,6 +249,18 @@ TP_DEV Q4Group q4_ld_group(const Q4Row& row, u32 g) {
     return r;
 }
 
+// Row r of batch b (r < RB). Plain: rows b·RB .. b·RB + RB − 1. With the SiluMul epilogue
+// (EPI) the rows are the gate rows then the up rows of the product's n, and a batch takes RB/2
+// gate rows and the RB/2 up rows that pair with them: b·RB/2 + r and n/2 + b·RB/2 + r. Rows
+// past their half repeat its last (computed, not written).
+template <int RB, bool EPI>
+TP_DEV u32 q4k_row(u32 b, int r, u32 n) {
+    if (!EPI) return q4_min(b * RB + r, n - 1);
+    constexpr int H = RB / 2;
+    const u32 half = n / 2, i = q4_min(b * H + (r % H), half - 1);
+    return r < H ? i : half + i;
+}
+
 // acc[r][t] += s · (Σ a q − z · Σ a) for chunk j0 (in group g) of every row and token.
 template <int WPL, int R, int MT, bool SILU>
 TP_DEV void q4_chunk(const GemvQ4Params& p, const Q4Words<WPL> (&wv)[R], const Q4Group (&gr)[R],
@@ -319,12 +331,17 @@ TP_DEV void q4_rows(const GemvQ4Params& p, const Q4Row (&rows)[R], const float* 
     }
 }
 
-template <int R, int MT, int U, bool SILU>
+// EPI: the SiluMul epilogue. A wave's R rows are R/2 gate rows and the R/2 up rows that pair
+// with them (as in the `_k` kernels' q4k_row), y: [m, n/2] gets silu(gate) · up.
+template <int R, int MT, int U, bool SILU, bool EPI>
 TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
     static_assert(R * MT <= TP_WAVE, "one writing lane per (row, token)");
+    static_assert(!(SILU && EPI) && (!EPI || R % 2 == 0), "one of prologue and epilogue; pairs");
+    constexpr u32 YR = EPI ? R / 2 : R;  // y rows per wave
     const u32 lane = threadIdx.x % TP_WAVE;
     const u32 waves = blockDim.x / TP_WAVE;
-    const u32 rgroups = (p.n + R - 1) / R;
+    const u32 yn = EPI ? p.n / 2 : p.n;
+    const u32 rgroups = (yn + YR - 1) / YR;
     const u32 tiles = (p.m + MT - 1) / MT;
     const u64 xk = SILU ? 2ull * p.k : (u64)p.k;
     const float* x = (const float*)p.x;
@@ -346,7 +363,7 @@ TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
             Q4Row rows[R];
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                const u64 row = q4_min(rg * R + r, p.n - 1);
+                const u64 row = q4k_row<R, EPI>(rg, r, p.n);
                 rows[r].w = w + row * (p.kq / 8);
                 rows[r].s = (const u16*)p.scales + row * p.groups;
                 rows[r].z = (const u32*)p.zeros + row * zw;
@@ -362,15 +379,20 @@ TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
             } else {
                 q4_rows<1, R, MT, 1, SILU>(p, rows, xr, lane, acc, waited);
             }
+            // Σ a was unscaled per chunk; the dot's scale is undone there too. Every lane
+            // ends with every sum.
 #pragma unroll
             for (int r = 0; r < R; ++r) {
 #pragma unroll
+                for (int t = 0; t < MT; ++t) acc[r][t] = tp_wave_sum(acc[r][t]);
+            }
+#pragma unroll
+            for (int r = 0; r < (int)YR; ++r) {
+#pragma unroll
                 for (int t = 0; t < MT; ++t) {
-                    // Σ a was unscaled per chunk; the dot's scale is undone there too.
-                    const float s = tp_wave_sum(acc[r][t]);
-                    const u32 row = rg * R + r, tok = t0 + t;
-                    if (lane == (u32)(r * MT + t) && row < p.n && tok < p.m)
-                        y[(u64)tok * p.n + row] = s;
+                    const u32 row = rg * YR + r, tok = t0 + t;
+                    if (lane == (u32)(r * MT + t) && row < yn && tok < p.m)
+                        y[(u64)tok * yn + row] = EPI ? q4_silu_mul(acc[r][t], acc[r + YR][t]) : acc[r][t];
                 }
             }
         }
@@ -409,13 +431,13 @@ struct Q4KBatch {
     u32 z[RB];
 };
 
-// This thread's chunk of batch b's rows (rows past n repeat the last: computed, not written).
-template <int RB>
+// This thread's chunk of batch b's rows.
+template <int RB, bool EPI>
 TP_DEV void q4k_load(const u32* wp, const u16* sp, const u32* zp, u32 wstride, u32 sstride,
                      u32 zstride, u32 b, u32 n, Q4KBatch<RB>& bt) {
 #pragma unroll
     for (int r = 0; r < RB; ++r) {
-        const u64 row = q4_min(b * RB + r, n - 1);
+        const u64 row = q4k_row<RB, EPI>(b, r, n);
         bt.w[r] = q4_ld<4>(wp + row * wstride);
         bt.s[r] = sp[row * sstride];
         bt.z[r] = zp[row * zstride];
@@ -424,8 +446,9 @@ TP_DEV void q4k_load(const u32* wp, const u16* sp, const u32* zp, u32 wstride, u
 
 // blockDim.x is a whole number of waves (the launcher rounds kq / 32 up to one): `waves`
 // below counts them, and every wave takes part in the shuffles.
-template <int RB, bool SILU>
+template <int RB, bool SILU, bool EPI>
 TP_DEV void gemv_q4_k_body(const GemvQ4Params& p) {
+    static_assert(!(SILU && EPI) && (!EPI || RB >= 2), "one of prologue and epilogue; pairs");
     constexpr int L = RB == 1 ? 0 : RB == 2 ? 1 : RB == 4 ? 2 : RB == 8 ? 3 : 4;
     static_assert((1 << L) == RB && RB <= 16, "RB a power of two up to 16");
     __shared__ float red[2][1024 / TP_WAVE][RB];  // [slot][wave][row]
@@ -439,11 +462,14 @@ TP_DEV void gemv_q4_k_body(const GemvQ4Params& p) {
     const u32* wp = (const u32*)p.qweight + c * 4;
     const u16* sp = (const u16*)p.scales + g;
     const u32* zp = (const u32*)p.zeros + g / 8;
-    const u32 batches = (p.n + RB - 1) / RB;
+    // With the epilogue, y's rows are n / 2 and a batch writes RB / 2 of them.
+    constexpr u32 YB = EPI ? RB / 2 : RB;
+    const u32 yn = EPI ? p.n / 2 : p.n;
+    const u32 batches = (yn + YB - 1) / YB;
     u32 b = blockIdx.x;
     if (b >= batches) return;  // the whole block: it reads and writes nothing
     Q4KBatch<RB> A, B;
-    q4k_load<RB>(wp, sp, zp, wstride, sstride, zstride, b, p.n, A);
+    q4k_load<RB, EPI>(wp, sp, zp, wstride, sstride, zstride, b, p.n, A);
     tp_pdl_wait();
     float a[32];
     const float sa = q4_act<4, SILU>((const float*)p.x, p.k, (const u32*)p.perm, c * 32, a);
@@ -457,7 +483,7 @@ TP_DEV void gemv_q4_k_body(const GemvQ4Params& p) {
     auto step = [&](Q4KBatch<RB>& cur, Q4KBatch<RB>& nxt) -> bool {
         const u32 b2 = b + gridDim.x;
         const bool more = b2 < batches;
-        if (more) q4k_load<RB>(wp, sp, zp, wstride, sstride, zstride, b2, p.n, nxt);
+        if (more) q4k_load<RB, EPI>(wp, sp, zp, wstride, sstride, zstride, b2, p.n, nxt);
         float v[RB];
 #pragma unroll
         for (int r = 0; r < RB; ++r) {
@@ -480,11 +506,16 @@ TP_DEV void gemv_q4_k_body(const GemvQ4Params& p) {
         for (int off = (TP_WAVE / 2) >> L; off > 0; off /= 2) v[0] += tp_shfl_xor(v[0], off);
         if (lane % (TP_WAVE >> L) == 0) red[slot][wave][lane / (TP_WAVE >> L)] = v[0];
         __syncthreads();
-        if (t < RB) {
+        if (t < YB) {
             float sum = 0.0f;
             for (u32 w = 0; w < waves; ++w) sum += red[slot][w][t];
-            const u32 row = b * RB + t;
-            if (row < p.n) ((float*)p.y)[row] = sum;
+            if (EPI) {
+                float up = 0.0f;
+                for (u32 w = 0; w < waves; ++w) up += red[slot][w][t + YB];
+                sum = q4_silu_mul(sum, up);
+            }
+            const u32 row = b * YB + t;
+            if (row < yn) ((float*)p.y)[row] = sum;
         }
         slot ^= 1;
         b = b2;
@@ -496,21 +527,26 @@ TP_DEV void gemv_q4_k_body(const GemvQ4Params& p) {
     }
 }
 
-#define TP_GEMV_Q4K_KERNEL(name, RB, SILU, MAXT) \
-    extern "C" __global__ void TP_LAUNCH_BOUNDS(MAXT, 1) name(const GemvQ4Params p) { gemv_q4_k_body<RB, SILU>(p); }
+#define TP_GEMV_Q4K_KERNEL(name, RB, SILU, EPI, MAXT) \
+    extern "C" __global__ void TP_LAUNCH_BOUNDS(MAXT, 1) name(const GemvQ4Params p) { gemv_q4_k_body<RB, SILU, EPI>(p); }
 
 // Kernel names, in the order of kernels/src/cuda/ops_gemv_q4.rs NAMES.
 // MINB: blocks of 256 threads per SM the registers must allow (see Registers).
-#define TP_GEMV_Q4_KERNEL(name, R, MT, U, SILU, MINB)                               \
+#define TP_GEMV_Q4_KERNEL(name, R, MT, U, SILU, EPI, MINB)                          \
     extern "C" __global__ void TP_LAUNCH_BOUNDS(256, MINB) name(const GemvQ4Params p) { \
-        gemv_q4_body<R, MT, U, SILU>(p); /* waits for the kernel before once its loads are out */ \
+        gemv_q4_body<R, MT, U, SILU, EPI>(p); /* waits for the kernel before once its loads are out */ \
     }
 
-TP_GEMV_Q4_KERNEL(gemv_q4, TP_Q4_ROWS, 1, TP_Q4_LOADS / TP_Q4_ROWS, false, 2)
-TP_GEMV_Q4_KERNEL(gemv_q4_silu, TP_Q4_ROWS_SILU, 1, TP_Q4_LOADS_SILU / TP_Q4_ROWS_SILU, true, 1)
-TP_GEMV_Q4_KERNEL(gemm_q4, TP_Q4_ROWS_TILE, TP_Q4_TOKENS, 1, false, 1)
-TP_GEMV_Q4_KERNEL(gemm_q4_silu, TP_Q4_ROWS_TILE, TP_Q4_TOKENS, 1, true, 1)
-TP_GEMV_Q4K_KERNEL(gemv_q4_k, TP_Q4K_ROWS, false, 256)
-TP_GEMV_Q4K_KERNEL(gemv_q4_k_silu, TP_Q4K_ROWS, true, 256)
-TP_GEMV_Q4K_KERNEL(gemv_q4_kb, TP_Q4K_ROWS_BIG, false, 640)
-TP_GEMV_Q4K_KERNEL(gemv_q4_kb_silu, TP_Q4K_ROWS_BIG, true, 640)
+TP_GEMV_Q4_KERNEL(gemv_q4, TP_Q4_ROWS, 1, TP_Q4_LOADS / TP_Q4_ROWS, false, false, 2)
+TP_GEMV_Q4_KERNEL(gemv_q4_silu, TP_Q4_ROWS_SILU, 1, TP_Q4_LOADS_SILU / TP_Q4_ROWS_SILU, true, false, 1)
+TP_GEMV_Q4_KERNEL(gemm_q4, TP_Q4_ROWS_TILE, TP_Q4_TOKENS, 1, false, false, 1)
+TP_GEMV_Q4_KERNEL(gemm_q4_silu, TP_Q4_ROWS_TILE, TP_Q4_TOKENS, 1, true, false, 1)
+TP_GEMV_Q4K_KERNEL(gemv_q4_k, TP_Q4K_ROWS, false, false, 256)
+TP_GEMV_Q4K_KERNEL(gemv_q4_k_silu, TP_Q4K_ROWS, true, false, 256)
+TP_GEMV_Q4K_KERNEL(gemv_q4_kb, TP_Q4K_ROWS_BIG, false, false, 640)
+TP_GEMV_Q4K_KERNEL(gemv_q4_kb_silu, TP_Q4K_ROWS_BIG, true, false, 640)
+// The SiluMul epilogue (gate|up writing silu(gate) · up), one per path.
+TP_GEMV_Q4_KERNEL(gemv_q4_e, TP_Q4_ROWS, 1, TP_Q4_LOADS / TP_Q4_ROWS, false, true, 2)
+TP_GEMV_Q4_KERNEL(gemm_q4_e, TP_Q4_ROWS_TILE, TP_Q4_TOKENS, 1, false, true, 1)
+TP_GEMV_Q4K_KERNEL(gemv_q4_k_e, TP_Q4K_ROWS, false, true, 256)
+TP_GEMV_Q4K_KERNEL(gemv_q4_kb_e, TP_Q4K_ROWS_BIG, false, true, 640)

@@ -156,7 +156,7 @@ impl Sizes {
             chunk * nq,
             chunk * nq.max(delta_out),
             chunk * h,
-            chunk * 2 * ni,
+            chunk * ni,
             slots * plan.vocab.len().max(1),
             slots * plan.world * 2 * TOPK_MAX,
             ops::Attention::<()>::workspace_len(slots, nqh, d, max_seq),
@@ -243,7 +243,7 @@ struct Scratch<B> {
     att: B,
     /// Partial output of a row-parallel projection, allreduced in place [C, h].
     o: B,
-    /// Output of the fused gate|up projection [C, 2·I], each row [gate | up].
+    /// silu(gate) · up [C, I]: the fused gate|up projection's output through its epilogue.
     hb: B,
     /// This rank's vocab shard of the last position's logits [V]; of a batched step's rows
     /// [slots, V].
@@ -1487,22 +1487,14 @@ impl<D: Device> Model<D> {
             // x = x + allreduce(o); xb = post_attention_layernorm(x), settled here: gate|up
             // is too wide for the fold to pay, and takes the SiluMul epilogue instead.
             seam(comm, lw.ffn_norm.view(), cur, None)?; // next_n None: never pending
-                                                        // hb = silu(gate_proj(xb)) · up_proj(xb). Dense: in gate|up's epilogue, so the
-                                                        // activation is computed once per element (not by every wave of down_proj that
-                                                        // reads it) and down_proj reads an input half as wide. Int4: gate|up writes
-                                                        // [gate | up] and down_proj's prologue activates it.
-            let (hb, down_in) = if lw.w_gate_up.dense().is_some() {
-                let hb = f32v(&s.hb, m * ni);
-                self.matmul(xb, &lw.w_gate_up, hb, m, Epilogue::SiluMul)?;
-                (hb, Prologue::None)
-            } else {
-                let hb = f32v(&s.hb, m * 2 * ni);
-                self.matmul(xb, &lw.w_gate_up, hb, m, Epilogue::None)?;
-                (hb, Prologue::SiluMul)
-            };
+                                                        // hb = silu(gate_proj(xb)) · up_proj(xb), in gate|up's epilogue (dense and int4):
+                                                        // the activation is computed once per element, not by every block of down_proj
+                                                        // that reads it, and down_proj reads an input half as wide.
+            let hb = f32v(&s.hb, m * ni);
+            self.matmul(xb, &lw.w_gate_up, hb, m, Epilogue::SiluMul)?;
             // x = x + allreduce(down_proj(hb)); xb = the next layer's input_layernorm(x), or
             // the final norm after the last layer.
-            self.matmul_in(hb, &lw.w_down, o, m, down_in)?;
+            self.matmul_in(hb, &lw.w_down, o, m, Prologue::None)?;
             let next = if l + 1 < nl {
                 w.layers[l + 1].attn_norm.view()
             } else {
@@ -1579,8 +1571,7 @@ impl<D: Device> Model<D> {
         self.product(x, w, y, m, prologue, Epilogue::None)
     }
 
-    /// One product over a dense or int4 matrix; int4 takes no epilogue (the callers ask for
-    /// none there).
+    /// One product over a dense or int4 matrix.
     fn product(
         &self,
         x: View<'_, D::Buf>,
@@ -1609,6 +1600,7 @@ impl<D: Device> Model<D> {
                 })
             }
             Matrix::Int4(q) => {
+                // q.n counts the rows read (gate and up with the epilogue).
                 let u32v = |b, len| View::new(b, 0, len, DType::U32);
                 let kq = q.groups * q.group;
                 Op::MatmulInt4(ops::MatmulInt4 {
@@ -1624,6 +1616,7 @@ impl<D: Device> Model<D> {
                     group: q.group,
                     groups: q.groups,
                     prologue,
+                    epilogue,
                 })
             }
         };

@@ -1461,7 +1461,7 @@ mod tests {
     #[test]
     fn int4_layout_matches_dequantize_through_the_cpu_twin() {
         use tprun_kernels::cpu::CpuDevice;
-        use tprun_kernels::ops::{MatmulInt4, Prologue};
+        use tprun_kernels::ops::{Epilogue, MatmulInt4, Prologue};
         use tprun_kernels::{DType, Device, Op, View};
         let dev = CpuDevice::new(0, 2, 10);
         let (n, k) = (32, 256);
@@ -1510,6 +1510,7 @@ mod tests {
                         group: h.group,
                         groups: h.groups,
                         prologue: Prologue::None,
+                        epilogue: Epilogue::None,
                     }))
                     .unwrap();
                     let mut yb = vec![0u8; nl * 4];

@@ -8,10 +8,11 @@
 //! (it widens 8 bytes per 4-bit weight), but plain: the reference the GPU is held to.
 
 use super::super::{par_ranges, CpuBuf, CpuDevice};
+use super::elementwise::silu_mul;
 use super::{dot, f32_ptr, overlaps, typed_ptr, MIN_WORK_PER_THREAD};
 use crate::int4::PACK;
-use crate::ops::{MatmulInt4, Prologue};
-use crate::{KernelError, Result};
+use crate::ops::{Epilogue, MatmulInt4, Prologue};
+use crate::{DType, Device, KernelError, Result, View};
 
 pub(crate) fn matmul_int4(dev: &CpuDevice, a: &MatmulInt4<'_, CpuBuf>) -> Result<()> {
     let (m, k, n, kq, group, groups) = (a.m, a.k, a.n, a.kq(), a.group, a.groups);
@@ -19,6 +20,30 @@ pub(crate) fn matmul_int4(dev: &CpuDevice, a: &MatmulInt4<'_, CpuBuf>) -> Result
         return Err(KernelError::Invalid(
             "matmul_int4: y overlaps x or the weights".into(),
         ));
+    }
+    if a.epilogue == Epilogue::SiluMul {
+        // The whole product [m, n] first, then y[r] = silu(gate) · up of its two halves, as
+        // the dense twin does.
+        let (h, full) = (n / 2, dev.alloc(m * n * 4)?);
+        let full = View::new(&full, 0, m * n, DType::F32);
+        matmul_int4(
+            dev,
+            &MatmulInt4 {
+                y: full,
+                epilogue: Epilogue::None,
+                ..*a
+            },
+        )?;
+        for r in 0..m {
+            let row = full.slice(r * n, n);
+            silu_mul(
+                dev,
+                &row.slice(0, h),
+                &row.slice(h, h),
+                &a.y.slice(r * h, h),
+            )?;
+        }
+        return Ok(());
     }
     let xk = a.prologue.x_width(k);
     let px = f32_ptr(&a.x, m * xk, "matmul_int4 x")?;
@@ -102,7 +127,7 @@ mod tests {
     use super::super::testutil::*;
     use crate::cpu::CpuDevice;
     use crate::int4::{Int4Host, PACK};
-    use crate::ops::{MatmulInt4, Prologue};
+    use crate::ops::{Epilogue, MatmulInt4, Prologue};
     use crate::{DType, Device, Op, View};
 
     /// A random layer of `n` rows over `k` inputs in groups of `gl` (`desc_act`: the inputs
@@ -135,6 +160,19 @@ mod tests {
         m: usize,
         pro: Prologue,
     ) -> Vec<f32> {
+        run_with(dev, h, x, m, pro, Epilogue::None)
+    }
+
+    /// [`run`] with an epilogue (y: [m, n/2] under SiluMul).
+    fn run_with(
+        dev: &CpuDevice,
+        h: &Int4Host,
+        x: &[f32],
+        m: usize,
+        pro: Prologue,
+        epi: Epilogue,
+    ) -> Vec<f32> {
+        let yn = epi.y_width(h.n);
         let u32s = |v: &[u32]| upload_u32(dev, v);
         let (bq, bz) = (u32s(&h.qweight), u32s(&h.zeros));
         let bs = dev.alloc(2 * h.scales.len()).unwrap();
@@ -142,24 +180,25 @@ mod tests {
         dev.write(&bs, 0, &sb).unwrap();
         let bp = h.perm.as_ref().map(|p| u32s(p));
         let bx = upload(dev, DType::F32, x);
-        let by = dev.alloc(m * h.n * 4).unwrap();
-        dev.write(&by, 0, &vec![0xff; m * h.n * 4]).unwrap();
+        let by = dev.alloc(m * yn * 4).unwrap();
+        dev.write(&by, 0, &vec![0xff; m * yn * 4]).unwrap();
         dev.run(&Op::MatmulInt4(MatmulInt4 {
             x: View::new(&bx, 0, x.len(), DType::F32),
             qweight: View::new(&bq, 0, h.qweight.len(), DType::U32),
             scales: View::new(&bs, 0, h.scales.len(), DType::F16),
             zeros: View::new(&bz, 0, h.zeros.len(), DType::U32),
             perm: bp.as_ref().map(|b| View::new(b, 0, h.kq(), DType::U32)),
-            y: View::new(&by, 0, m * h.n, DType::F32),
+            y: View::new(&by, 0, m * yn, DType::F32),
             m,
             k: h.k,
             n: h.n,
             group: h.group,
             groups: h.groups,
             prologue: pro,
+            epilogue: epi,
         }))
         .unwrap();
-        download(dev, &by, DType::F32, m * h.n)
+        download(dev, &by, DType::F32, m * yn)
     }
 
     /// The f64 product of f(x) and the dequantised weights.
@@ -207,6 +246,29 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// The epilogue writes silu(gate) · up of the two halves' sums, in f64 terms.
+    #[test]
+    fn the_epilogue_activates_gate_with_up() {
+        let mut rng = Rng::new(43);
+        let dev = CpuDevice::new(0, 2, 10);
+        for (m, desc_act) in [(1usize, false), (3, true)] {
+            let (n, k) = (40usize, 256usize);
+            let h = layer(&mut rng, n, k, 64, desc_act);
+            let x: Vec<f32> = rng.vec_sym(m * k).iter().map(|v| v * 2.0).collect();
+            let got = run_with(&dev, &h, &x, m, Prologue::None, Epilogue::SiluMul);
+            let full = reference(&h, &x, m, Prologue::None);
+            let want: Vec<f64> = (0..m * n / 2)
+                .map(|i| {
+                    let (t, j) = (i / (n / 2), i % (n / 2));
+                    let (g, u) = (full[t * n + j], full[t * n + n / 2 + j]);
+                    g / (1.0 + (-g).exp()) * u
+                })
+                .collect();
+            let err = max_err(&got, &want);
+            assert!(err < 1e-5, "m{m} {desc_act}: {err}");
         }
     }
 

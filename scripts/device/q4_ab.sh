@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# A/B of the Qwen3.5-27B GPTQ int4 decode between tprun binaries, in one call (issue 11):
+#
+#   scripts/device/q4_ab.sh [--check] BIN...
+#
+# Writes synth qwen3_5 `27b` with its MLP in GPTQ int4 (group 128, the official layout) once,
+# in the background; meanwhile `tprun bench gemv --quant int4` (each binary's default rows: the
+# 27B MLP as that binary's decode runs it) for every binary in turn. Then the device copy
+# bandwidth, and `decode` TP=1 (graph + PDL, 128 new tokens) with each binary, ROUNDS rounds
+# (default 2), one line per run, and a check that every binary gives the same tokens.
+# --check first runs `tprun selftest` and `qwen35.sh check` (the transformers-built tiny
+# fixtures, dense and GPTQ, 1 and 4 ranks, graph and eager) with the first binary.
+# Results in $OUT (or ./out).
+set -uo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+check=0
+[ "${1:-}" = --check ] && { check=1; shift; }
+[ $# -ge 1 ] || { echo "usage: q4_ab.sh [--check] BIN..."; exit 2; }
+bins=(); for b in "$@"; do bins+=("$(realpath "$b")"); done
+out="${OUT:-$root/out}"; mkdir -p "$out"
+. "$root/scripts/device/common.sh"
+export TPRUN_KERNEL_CACHE="${TPRUN_KERNEL_CACHE:-/tmp/tprun-kernel-cache}"
+tprun_nvrtc_link
+status=0
+fail() { echo "FAILED: $*"; status=1; }
+m=/tmp/tprun-q35-27b-ab
+trap 'rm -rf "$m"' EXIT
+t0=$(date +%s)
+"${bins[0]}" synth --arch qwen3_5 --preset 27b --quant gptq-int4 --group-size 128 --dtype bf16 --out $m \
+    > /dev/null 2> "$out/synth.err" &
+synth=$!
+if [ $check = 1 ]; then
+    echo "== selftest (${bins[0]})"
+    timeout 400 "${bins[0]}" selftest > "$out/selftest.txt" 2>&1 || fail selftest
+    grep -E "FAIL|checks|case" "$out/selftest.txt" | tail -12
+    echo "== qwen35.sh check (${bins[0]})"
+    OUT="$out/check" timeout 400 "$root/scripts/device/qwen35.sh" check "${bins[0]}" 2>&1 | tail -20
+    [ "${PIPESTATUS[0]}" -eq 0 ] || fail "qwen35.sh check"
+fi
+echo "== bench gemv --quant int4 (each binary's default rows)"
+for r in 1 2; do
+    for i in "${!bins[@]}"; do
+        echo "-- bin $i round $r"
+        timeout 200 "${bins[$i]}" --backend cuda --timeout 300 bench gemv --quant int4 \
+            > "$out/gemv-$i-r$r.txt" 2>&1 || fail "bench gemv bin $i"
+        grep -vE '^#' "$out/gemv-$i-r$r.txt" | tail -3
+    done
+done
+wait $synth || { fail synth; tail -3 "$out/synth.err"; exit 1; }
+echo "synth done after $(( $(date +%s) - t0 )) s"
+python3 "$root/scripts/device/copy_bw.py" | tee "$out/copy.txt" || fail "copy bandwidth"
+run() {  # run BIN_INDEX TAG
+    local i=$1 tag=$2
+    "${bins[$i]}" --backend cuda --ranks 1 --devices 0 --timeout 120 decode --model $m \
+        --prompt "Once upon a time, in a land far away" --temperature 0 --max-new-tokens 128 --ignore-eos --json \
+        > "$out/ab-$i-$tag.json" 2> "$out/ab-$i-$tag.err" || { fail "bin $i $tag"; tail -3 "$out/ab-$i-$tag.err"; return; }
+    python3 - "$out/ab-$i-$tag.json" "$out/copy.txt" "bin $i ($tag)" <<'PY'
+import json, re, sys
+j = json.load(open(sys.argv[1]))
+copy = float(re.search(r"([0-9.]+) TB/s", open(sys.argv[2]).read()).group(1))
+gbs = j["weight_gb_per_s"]
+print(f"{sys.argv[3]}: {j['decode_tokens_per_s']:.1f} tok/s, p50 {j['token_latency_p50_ms']:.3f} ms, "
+      f"{j['step_weight_bytes_rank0'] / 1e9:.1f} GB read/token, {gbs:.0f} GB/s = {gbs / (copy * 1e3) * 100:.0f} % of copy, "
+      f"{j['kernel_launches_per_token']} launches/token, load {j['load_s']:.1f} s")
+PY
+}
+echo "== decode 27b GPTQ, TP=1, graph + PDL, 128 tokens; bins: ${bins[*]}"
+for r in $(seq "${ROUNDS:-2}"); do
+    for i in "${!bins[@]}"; do run "$i" "r$r"; done
+done
+python3 - "$out" "${#bins[@]}" <<'PY' || fail "tokens differ between binaries"
+import json, sys
+o, n = sys.argv[1], int(sys.argv[2])
+toks = {i: json.load(open(f"{o}/ab-{i}-r1.json"))["token_ids"] for i in range(n)}
+same = all(t == toks[0] for t in toks.values())
+print("same tokens in every binary:", same)
+sys.exit(0 if same else 1)
+PY
+[ $status -eq 0 ] && echo "q4_ab.sh: PASS" || echo "q4_ab.sh: FAILED"
+exit $status
