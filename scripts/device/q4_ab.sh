@@ -9,7 +9,8 @@
 # bandwidth, and `decode` TP=1 (graph + PDL, 128 new tokens) with each binary, ROUNDS rounds
 # (default 2), one line per run, and a check that every binary gives the same tokens.
 # --check first runs `tprun selftest` and `qwen35.sh check` (the transformers-built tiny
-# fixtures, dense and GPTQ, 1 and 4 ranks, graph and eager) with the first binary.
+# fixtures, dense and GPTQ, 1 and 4 ranks, graph and eager) with the first binary. Last, one
+# profiled run of the first binary (eager, each op between events): µs per token by op.
 # Results in $OUT (or ./out).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -68,6 +69,19 @@ echo "== decode 27b GPTQ, TP=1, graph + PDL, 128 tokens; bins: ${bins[*]}"
 for r in $(seq "${ROUNDS:-2}"); do
     for i in "${!bins[@]}"; do run "$i" "r$r"; done
 done
+echo "== profile (eager + events) of bin 0: us per token by op"
+"${bins[0]}" --backend cuda --ranks 1 --devices 0 --timeout 120 decode --model $m --profile \
+    --prompt "Once upon a time, in a land far away" --temperature 0 --max-new-tokens 64 --ignore-eos --json \
+    > "$out/profile.json" 2> "$out/profile.err" || fail profile
+python3 - "$out/profile.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))
+p = j.get("profile", [])
+tot = sum(e["us_per_token"] for e in p)
+print(f"  total {tot:.1f} us/token profiled; {j['decode_tokens_per_s']:.1f} tok/s under the profiler")
+for e in p[:14]:
+    print(f"  {e['us_per_token']:8.1f} us/token {e['us_per_token'] / tot * 100:5.1f} %  {e['calls'] / 63:6.1f} calls/token  {e['op']}")
+PY
 python3 - "$out" "${#bins[@]}" <<'PY' || fail "tokens differ between binaries"
 import json, sys
 o, n = sys.argv[1], int(sys.argv[2])

@@ -1,7 +1,12 @@
 // gemv_q4.cu: MatmulInt4, y[m, n] = f(x)[m, k] · wᵀ over GPTQ int4 weights (kernels/src/ops.rs
 // `MatmulInt4`; layout kernels/src/int4.rs; CPU twin kernels/src/cpu/ops/int4.rs). x, y f32;
 // f32 accumulation; f the identity or silu(gate) · up (Prologue::SiluMul, x [m, 2k]), as in
-// gemv.cu.
+// gemv.cu; or the SiluMul epilogue (the `_e` kernels: w's rows are gate rows then up rows, y
+// [m, n/2] gets silu(gate) · up: a wave or batch takes half its rows from each half, so the
+// lane or thread that writes a row holds both sums). Decode uses the epilogue on gate|up and
+// a plain down_proj: the prologue made every block of down_proj read 2k inputs and take an exp
+// per input (H200 lab, 2026-12-06: down 26.0 µs with the prologue, 23.4 plain; gate|up 34.8
+// µs with or without the epilogue).
 //
 // Owns: the int4 matrix–vector product of decode (m = 1) and a token-tiled product for
 // prefill. Must not: write anything but y (one launch, no scratch).
@@ -420,7 +425,12 @@ TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
 // registers cap it), against 4.4 TB/s for a plain read. Integer tensor cores (weights as u8,
 // x as four exact signed bytes per 128-input slice, m16n8k32) reach ~1.8 instructions per
 // weight and were exact to 1e-7, but stalled on their dependent MMA chain at 2.2 TB/s: the
-// lab file keeps them (lab_m, lab_m2) for the next round.
+// lab file keeps them (lab_m, lab_m2) for the next round. Tried since (lab, H200, 2026-12-06;
+// ncu: the 544-thread blocks stall on memory latency, long scoreboard 1.6–3.5 cycles per
+// issued instruction, and issue ~0.47 per scheduler per cycle): K split over a cluster of 2
+// blocks with one cluster barrier at the end (down 21.8 µs against 23.4: kept in the lab
+// only), and the weights staged through shared memory by cp.async 4–6 batches deep (down
+// 32–36 µs, gate|up 52 µs: worse; the shared-memory round trip costs more than it hides).
 #define TP_Q4K_ROWS 4        // RB of gemv_q4_k* (blocks of at most 256 threads)
 #define TP_Q4K_ROWS_BIG 2    // RB of gemv_q4_kb* (up to 640 threads: the registers allow 2)
 
