@@ -33,7 +33,7 @@ synth=$!
 if [ $check = 1 ]; then
     echo "== selftest (${bins[0]})"
     timeout 400 "${bins[0]}" selftest > "$out/selftest.txt" 2>&1 || fail selftest
-    grep -E "FAIL|checks|case" "$out/selftest.txt" | tail -12
+    grep -E "FAIL|check\(s\)|case\(s\)" "$out/selftest.txt" | tail -12
     echo "== qwen35.sh check (${bins[0]})"
     OUT="$out/check" timeout 400 "$root/scripts/device/qwen35.sh" check "${bins[0]}" 2>&1 | tail -20
     [ "${PIPESTATUS[0]}" -eq 0 ] || fail "qwen35.sh check"
