@@ -430,7 +430,9 @@ TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
 // issued instruction, and issue ~0.47 per scheduler per cycle): K split over a cluster of 2
 // blocks with one cluster barrier at the end (down 21.8 µs against 23.4: kept in the lab
 // only), and the weights staged through shared memory by cp.async 4–6 batches deep (down
-// 32–36 µs, gate|up 52 µs: worse; the shared-memory round trip costs more than it hides).
+// 32–36 µs, gate|up 52 µs: worse; the shared-memory round trip costs more than it hides), and
+// bulk L2 prefetches (cp.async.bulk.prefetch.L2) of the batches 1–4 ahead of the register
+// loads by one thread per block (down 26.3–26.6 µs, gate|up 38.9–40.2: worse too).
 #define TP_Q4K_ROWS 4        // RB of gemv_q4_k* (blocks of at most 256 threads)
 #define TP_Q4K_ROWS_BIG 2    // RB of gemv_q4_kb* (up to 640 threads: the registers allow 2)
 
