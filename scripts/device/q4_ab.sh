@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A/B of the Qwen3.5-27B GPTQ int4 decode between tprun binaries, in one call (issue 11):
 #
-#   scripts/device/q4_ab.sh [--check] BIN...
+#   scripts/device/q4_ab.sh [--check|--selftest] BIN...
 #
 # Writes synth qwen3_5 `27b` with its MLP in GPTQ int4 (group 128, the official layout) once,
 # in the background; meanwhile `tprun bench gemv --quant int4` (each binary's default rows: the
@@ -9,14 +9,15 @@
 # bandwidth, and `decode` TP=1 (graph + PDL, 128 new tokens) with each binary, ROUNDS rounds
 # (default 2), one line per run, and a check that every binary gives the same tokens.
 # --check first runs `tprun selftest` and `qwen35.sh check` (the transformers-built tiny
-# fixtures, dense and GPTQ, 1 and 4 ranks, graph and eager) with the first binary. Last, one
+# fixtures, dense and GPTQ, 1 and 4 ranks, graph and eager) with the first binary (--selftest:
+# the selftest alone). Last, one
 # profiled run of the first binary (eager, each op between events): µs per token by op.
-# Results in $OUT (or ./out).
+# GEMV_ONLY=1: the checks and the bench only (no synth, no decode). Results in $OUT (or ./out).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 check=0
-[ "${1:-}" = --check ] && { check=1; shift; }
-[ $# -ge 1 ] || { echo "usage: q4_ab.sh [--check] BIN..."; exit 2; }
+case "${1:-}" in --check) check=2; shift ;; --selftest) check=1; shift ;; esac
+[ $# -ge 1 ] || { echo "usage: q4_ab.sh [--check|--selftest] BIN..."; exit 2; }
 bins=(); for b in "$@"; do bins+=("$(realpath "$b")"); done
 out="${OUT:-$root/out}"; mkdir -p "$out"
 . "$root/scripts/device/common.sh"
@@ -27,13 +28,17 @@ fail() { echo "FAILED: $*"; status=1; }
 m=/tmp/tprun-q35-27b-ab
 trap 'rm -rf "$m"' EXIT
 t0=$(date +%s)
-"${bins[0]}" synth --arch qwen3_5 --preset 27b --quant gptq-int4 --group-size 128 --dtype bf16 --out $m \
+gemv_only="${GEMV_ONLY:-0}"
+[ "$gemv_only" = 1 ] || "${bins[0]}" synth --arch qwen3_5 --preset 27b --quant gptq-int4 --group-size 128 --dtype bf16 --out $m \
     > /dev/null 2> "$out/synth.err" &
 synth=$!
-if [ $check = 1 ]; then
+[ "$gemv_only" = 1 ] && synth=""
+if [ $check -ge 1 ]; then
     echo "== selftest (${bins[0]})"
     timeout 400 "${bins[0]}" selftest > "$out/selftest.txt" 2>&1 || fail selftest
     grep -E "FAIL|check\(s\)|case\(s\)" "$out/selftest.txt" | tail -12
+fi
+if [ $check = 2 ]; then
     echo "== qwen35.sh check (${bins[0]})"
     OUT="$out/check" timeout 400 "$root/scripts/device/qwen35.sh" check "${bins[0]}" 2>&1 | tail -20
     [ "${PIPESTATUS[0]}" -eq 0 ] || fail "qwen35.sh check"
@@ -47,6 +52,10 @@ for r in 1 2; do
         grep -vE '^#' "$out/gemv-$i-r$r.txt" | tail -3
     done
 done
+if [ "$gemv_only" = 1 ]; then
+    [ $status -eq 0 ] && echo "q4_ab.sh: PASS" || echo "q4_ab.sh: FAILED"
+    exit $status
+fi
 wait $synth || { fail synth; tail -3 "$out/synth.err"; exit 1; }
 echo "synth done after $(( $(date +%s) - t0 )) s"
 python3 "$root/scripts/device/copy_bw.py" | tee "$out/copy.txt" || fail "copy bandwidth"
