@@ -12,7 +12,20 @@
 #                           to the tprun command line for RANKS ranks on $devices (--timeout,
 #                           default 30 s)
 #   tprun_gpu_apps          how many tprun processes the GPU driver lists as running on a GPU
+#   tprun_ab BIN...         the start of an A/B script (decode_ab.sh, q4_ab.sh): sets $bins
+#                           (the binaries, absolute), $out ($OUT, else $root/out, created)
+#                           and status=0; the kernel cache and tprun_nvrtc_link as tprun_job
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+tprun_ab() {
+    bins=()
+    for b in "$@"; do bins+=("$(realpath "$b")"); done
+    out="${OUT:-$root/out}"
+    mkdir -p "$out"
+    export TPRUN_KERNEL_CACHE="${TPRUN_KERNEL_CACHE:-/tmp/tprun-kernel-cache}"
+    tprun_nvrtc_link
+    status=0
+}
 
 tprun_nvrtc_link() {
     local nvrtc

@@ -16,12 +16,8 @@ while [ $# -gt 0 ]; do
     shift
 done
 [ $# -ge 1 ] || { echo "usage: decode_ab.sh [--selftest] [--profile] BIN..."; exit 2; }
-bins=(); for b in "$@"; do bins+=("$(realpath "$b")"); done
-out="${OUT:-$root/out}"; mkdir -p "$out"
 . "$root/scripts/device/common.sh"
-export TPRUN_KERNEL_CACHE="${TPRUN_KERNEL_CACHE:-/tmp/tprun-kernel-cache}"
-tprun_nvrtc_link
-status=0
+tprun_ab "$@"
 m=/tmp/l8b
 "${bins[0]}" synth --arch llama --preset llama3-8b --dtype bf16 --out $m > /dev/null 2>&1 &
 synth=$!

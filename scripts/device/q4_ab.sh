@@ -18,12 +18,8 @@ root="$(cd "$(dirname "$0")/../.." && pwd)"
 check=0
 case "${1:-}" in --check) check=2; shift ;; --selftest) check=1; shift ;; esac
 [ $# -ge 1 ] || { echo "usage: q4_ab.sh [--check|--selftest] BIN..."; exit 2; }
-bins=(); for b in "$@"; do bins+=("$(realpath "$b")"); done
-out="${OUT:-$root/out}"; mkdir -p "$out"
 . "$root/scripts/device/common.sh"
-export TPRUN_KERNEL_CACHE="${TPRUN_KERNEL_CACHE:-/tmp/tprun-kernel-cache}"
-tprun_nvrtc_link
-status=0
+tprun_ab "$@"
 fail() { echo "FAILED: $*"; status=1; }
 m=/tmp/tprun-q35-27b-ab
 trap 'rm -rf "$m"' EXIT

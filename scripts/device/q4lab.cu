@@ -262,38 +262,16 @@ __global__ void __launch_bounds__(MAXT, MINB) lab_ts(const GemvQ4Params p) {
     u32 b = cl;
     if (b < batches) q4k_load<RB, false>(wp, sp, zp, wstride, sstride, zstride, b, p.n, A);
     float a[32];
-    const float sa = q4_act<4, SILU>((const float*)p.x, p.k, (const u32*)p.perm, c * 32, a);
-    if (!active) {
-#pragma unroll
-        for (int e = 0; e < 32; ++e) a[e] = 0.0f;
-    }
-    const float sa_used = active ? sa : 0.0f;
+    const float sa_used = q4k_acts<SILU>(p, c, active, a);
     u32 lb = 0;
     auto step = [&](Q4KBatch<RB>& cur, Q4KBatch<RB>& nxt) -> bool {
         const u32 b2 = b + ncl;
         const bool more = b2 < batches;
         if (more) q4k_load<RB, false>(wp, sp, zp, wstride, sstride, zstride, b2, p.n, nxt);
         float v[RB];
-#pragma unroll
-        for (int r = 0; r < RB; ++r) {
-            const float d = q4_dot<4>(cur.w[r], a);
-            const float z = (float)((cur.z[r] >> zshift) & 0xfu);
-            v[r] = q4_scale(cur.s[r]) * fmaf(-z, sa_used, d);
-        }
-#pragma unroll
-        for (int i = 0; i < L; ++i) {
-            const int off = 16 >> i, half = RB >> (i + 1);
-            const bool up = (lane & off) != 0;
-#pragma unroll
-            for (int j = 0; j < half; ++j) {
-                const float send = up ? v[j] : v[j + half];
-                const float keep = up ? v[j + half] : v[j];
-                v[j] = keep + __shfl_xor_sync(0xffffffffu, send, off);
-            }
-        }
-#pragma unroll
-        for (int off = 16 >> L; off > 0; off /= 2) v[0] += __shfl_xor_sync(0xffffffffu, v[0], off);
-        if (lane % (32 >> L) == 0) part[wave][lb][lane / (32 >> L)] = v[0];
+        q4k_dots<RB>(cur, a, zshift, sa_used, v);
+        const float sum = q4k_wave_sums<RB, L>(v, lane);
+        if (lane % (32 >> L) == 0) part[wave][lb][lane / (32 >> L)] = sum;
         ++lb;
         b = b2;
         return more;
@@ -330,109 +308,10 @@ __global__ void __launch_bounds__(MAXT, MINB) lab_ts(const GemvQ4Params p) {
 #endif
 }
 
-// ---- candidate TP: T with the weights staged through shared memory by cp.async, D deep ----
-// T's loads live in registers (two batches' worth at most: 96 registers cap a 544-thread
-// block), so ~17 KB per SM are in flight and the kernels stall on memory latency (ncu: long
-// scoreboard 2–3.5 cycles per issued instruction). Here each thread copies its own 16 bytes
-// of each row (and the words holding its scale and zero) into a D-stage ring in shared memory
-// with cp.async, D − 1 batches ahead, and reads back only what it copied itself (no barrier
-// for the ring). The rest is T: x in registers, one barrier per batch for the waves' sums.
-template <int RB, int D, bool SILU, bool EPI, int MAXT, int MINB>
-__global__ void __launch_bounds__(MAXT, MINB) lab_tp(const GemvQ4Params p) {
-    constexpr int L = RB == 1 ? 0 : RB == 2 ? 1 : RB == 4 ? 2 : 3;
-    extern __shared__ uint4 ring[];  // [D][RB][blockDim] weights, then [D][RB][blockDim] u32 scale words, zero words
-    __shared__ float red[2][MAXT / 32][RB];
-    const u32 t = threadIdx.x, lane = t % 32, wave = t / 32, waves = blockDim.x / 32, nt = blockDim.x;
-    u32* sring = (u32*)(ring + D * RB * nt);
-    u32* zring = sring + D * RB * nt;
-    const u32 chunks = p.kq / 32;
-    const bool active = t < chunks;
-    const u32 c = active ? t : 0;
-    const u32 g = c * 32 / p.group, zshift = 4 * (g % 8);
-    const u32 zstride = (p.groups + 7) / 8, wstride = p.kq / 8, sstride = p.groups;
-    const u32* wp = (const u32*)p.qweight + c * 4;
-    const u16* sp = (const u16*)p.scales + g;
-    const u32* zp = (const u32*)p.zeros + g / 8;
-    constexpr u32 YB = EPI ? RB / 2 : RB;
-    const u32 yn = EPI ? p.n / 2 : p.n;
-    const u32 batches = (yn + YB - 1) / YB;
-    if (blockIdx.x >= batches) return;
-    const u32 nb = (batches - blockIdx.x + gridDim.x - 1) / gridDim.x;
-    auto issue = [&](u32 i) {
-        if (i < nb) {
-            const u32 b = blockIdx.x + i * gridDim.x, st = i % D;
-#pragma unroll
-            for (int r = 0; r < RB; ++r) {
-                const u64 row = q4k_row<RB, EPI>(b, r, p.n);
-                const u32 slot = (st * RB + r) * nt + t;
-                const u32 dw = (u32)__cvta_generic_to_shared(&ring[slot]);
-                const u32 ds = (u32)__cvta_generic_to_shared(&sring[slot]);
-                const u32 dz = (u32)__cvta_generic_to_shared(&zring[slot]);
-                const u16* sa = sp + row * sstride;
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dw), "l"(wp + row * wstride) : "memory");
-                asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(ds), "l"((const u32*)((u64)sa & ~3ull)) : "memory");
-                asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dz), "l"(zp + row * zstride) : "memory");
-            }
-        }
-        asm volatile("cp.async.commit_group;" ::: "memory");
-    };
-#pragma unroll
-    for (int i = 0; i < D - 1; ++i) issue(i);
-    tp_pdl_wait();
-    float a[32];
-    const float sa = q4_act<4, SILU>((const float*)p.x, p.k, (const u32*)p.perm, c * 32, a);
-    if (!active) {
-#pragma unroll
-        for (int e = 0; e < 32; ++e) a[e] = 0.0f;
-    }
-    const float sa_used = active ? sa : 0.0f;
-    for (u32 i = 0; i < nb; ++i) {
-        issue(i + D - 1);
-        asm volatile("cp.async.wait_group %0;" ::"n"(D - 1) : "memory");
-        const u32 b = blockIdx.x + i * gridDim.x, st = i % D;
-        float v[RB];
-#pragma unroll
-        for (int r = 0; r < RB; ++r) {
-            const u32 slot = (st * RB + r) * nt + t;
-            const uint4 w4 = ring[slot];
-            Q4Words<4> wv;
-            wv.w[0] = w4.x; wv.w[1] = w4.y; wv.w[2] = w4.z; wv.w[3] = w4.w;
-            const u64 row = q4k_row<RB, EPI>(b, r, p.n);
-            const u32 sw = sring[slot] >> (((u64)(sp + row * sstride) & 2) ? 16 : 0);
-            const float d = q4_dot<4>(wv, a);
-            const float z = (float)((zring[slot] >> zshift) & 0xfu);
-            v[r] = q4_scale((u16)(sw & 0xffffu)) * fmaf(-z, sa_used, d);
-        }
-#pragma unroll
-        for (int k = 0; k < L; ++k) {
-            const int off = 16 >> k, half = RB >> (k + 1);
-            const bool up = (lane & off) != 0;
-#pragma unroll
-            for (int j = 0; j < half; ++j) {
-                const float send = up ? v[j] : v[j + half];
-                const float keep = up ? v[j + half] : v[j];
-                v[j] = keep + __shfl_xor_sync(0xffffffffu, send, off);
-            }
-        }
-#pragma unroll
-        for (int off = 16 >> L; off > 0; off /= 2) v[0] += __shfl_xor_sync(0xffffffffu, v[0], off);
-        const u32 slot2 = i & 1;
-        if (lane % (32 >> L) == 0) red[slot2][wave][lane / (32 >> L)] = v[0];
-        __syncthreads();
-        if (t < YB) {
-            float sum = 0.0f;
-            for (u32 w = 0; w < waves; ++w) sum += red[slot2][w][t];
-            if (EPI) {
-                float up = 0.0f;
-                for (u32 w = 0; w < waves; ++w) up += red[slot2][w][t + YB];
-                sum = q4_silu_mul(sum, up);
-            }
-            const u32 row = b * YB + t;
-            if (row < yn) ((float*)p.y)[row] = sum;
-        }
-    }
-    asm volatile("cp.async.wait_all;" ::: "memory");
-}
+// ---- candidate TP (removed) -----------------------------------------------------------------
+// T with each thread's weights staged through a D-stage cp.async ring in shared memory
+// (2026-12-06, H200): 32–36 µs for down, 52 µs for gate|up, worse than T at every depth
+// (docs/perf-notes.md); in git history before this note.
 
 // ---- candidate M: integer tensor cores ------------------------------------------------------
 // Weights as u8 (the nibble itself: (w & 0x0f0f0f0f) and (w >> 4) & 0x0f0f0f0f give 8 of them
@@ -909,14 +788,6 @@ template __global__ void lab_ts<4, 2, false, 288, 2>(const GemvQ4Params);
 template __global__ void lab_ts<2, 4, false, 160, 4>(const GemvQ4Params);
 template __global__ void lab_ts<2, 1, false, 544, 1>(const GemvQ4Params);
 template __global__ void lab_ts<2, 2, true, 288, 2>(const GemvQ4Params);
-template __global__ void lab_tp<2, 4, false, false, 544, 1>(const GemvQ4Params);
-template __global__ void lab_tp<2, 6, false, false, 544, 1>(const GemvQ4Params);
-template __global__ void lab_tp<4, 4, false, false, 544, 1>(const GemvQ4Params);
-template __global__ void lab_tp<2, 4, true, false, 544, 1>(const GemvQ4Params);
-template __global__ void lab_tp<4, 3, false, false, 160, 3>(const GemvQ4Params);
-template __global__ void lab_tp<4, 4, false, true, 160, 3>(const GemvQ4Params);
-template __global__ void lab_tp<4, 3, false, true, 160, 3>(const GemvQ4Params);
-template __global__ void lab_tp<2, 4, false, true, 160, 4>(const GemvQ4Params);
 template __global__ void lab_m<false>(const GemvQ4Params);
 template __global__ void lab_m<true>(const GemvQ4Params);
 template __global__ void lab_m2<false, 4, 16>(const GemvQ4Params);
@@ -1179,36 +1050,6 @@ int main(int argc, char** argv) {
             add_te(lab_te<8, 160>, 8);
         }
         const bool tail = !quick;
-        // TP: T through a cp.async ring of D stages.
-        auto add_tp = [&](auto kern, int RB, int D, bool epi) {
-            const u32 block = (kq / 32 + 31) / 32 * 32;
-            const u32 smem = D * RB * block * 24;
-            CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-            int per_sm = 0;
-            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, block, smem));
-            const u32 yb = epi ? RB / 2 : RB, yn = epi ? sh.n / 2 : sh.n;
-            const u32 batches = (yn + yb - 1) / yb;
-            const u32 grid = std::min<u32>(batches, per_sm * sms);
-            Variant v{std::string(epi ? "TPE" : "TP") + " RB" + std::to_string(RB) + " D" + std::to_string(D) + " " +
-                          std::to_string(block) + " thr " + std::to_string(per_sm) + "/SM grid " + std::to_string(grid),
-                      true,
-                      [=](const GemvQ4Params& p, cudaStream_t s) { kern<<<grid, block, smem, s>>>(p); }, epi};
-            vs.push_back(v);
-        };
-        if (sh.k > 8192) {
-            if (sh.silu) {
-                add_tp(lab_tp<2, 4, true, false, 544, 1>, 2, 4, false);
-            } else {
-                add_tp(lab_tp<2, 4, false, false, 544, 1>, 2, 4, false);
-                add_tp(lab_tp<2, 6, false, false, 544, 1>, 2, 6, false);
-                add_tp(lab_tp<4, 4, false, false, 544, 1>, 4, 4, false);
-            }
-        } else {
-            add_tp(lab_tp<4, 3, false, false, 160, 3>, 4, 3, false);
-            add_tp(lab_tp<4, 3, false, true, 160, 3>, 4, 3, true);
-            add_tp(lab_tp<4, 4, false, true, 160, 3>, 4, 4, true);
-            add_tp(lab_tp<2, 4, false, true, 160, 4>, 2, 4, true);
-        }
         // TS: split K over a cluster of S blocks (plain down and down + silu).
         auto add_ts = [&](auto kern, int RB, int S, int maxt) {
             const u32 block = ((kq / 32 / S) + 31) / 32 * 32;

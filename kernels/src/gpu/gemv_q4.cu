@@ -456,6 +456,49 @@ TP_DEV void q4k_load(const u32* wp, const u16* sp, const u32* zp, u32 wstride, u
     }
 }
 
+// Chunk c's 32 activations (f(x), pre-scaled) into `a` and their sum; zeros for an idle
+// thread, which then weighs chunk 0 by nothing.
+template <bool SILU>
+TP_DEV float q4k_acts(const GemvQ4Params& p, u32 c, bool active, float (&a)[32]) {
+    const float sa = q4_act<4, SILU>((const float*)p.x, p.k, (const u32*)p.perm, c * 32, a);
+    if (!active) {
+#pragma unroll
+        for (int e = 0; e < 32; ++e) a[e] = 0.0f;
+    }
+    return active ? sa : 0.0f;
+}
+
+// This thread's partial sum of each row of a batch: s · (Σ a q − z · Σ a) over its chunk.
+template <int RB>
+TP_DEV void q4k_dots(const Q4KBatch<RB>& cur, const float (&a)[32], u32 zshift, float sa, float (&v)[RB]) {
+#pragma unroll
+    for (int r = 0; r < RB; ++r) {
+        const float d = q4_dot<4>(cur.w[r], a);
+        const float z = (float)((cur.z[r] >> zshift) & 0xfu);
+        v[r] = q4_scale(cur.s[r]) * fmaf(-z, sa, d);
+    }
+}
+
+// The wave's sums of RB = 2^L rows by a transposed butterfly: L exchanges of half the values,
+// then plain xor steps; lane group r (lanes r · (TP_WAVE >> L) ..) ends with row r's sum.
+template <int RB, int L>
+TP_DEV float q4k_wave_sums(float (&v)[RB], u32 lane) {
+#pragma unroll
+    for (int i = 0; i < L; ++i) {
+        const int off = (TP_WAVE / 2) >> i, half = RB >> (i + 1);
+        const bool up = (lane & off) != 0;
+#pragma unroll
+        for (int j = 0; j < half; ++j) {
+            const float send = up ? v[j] : v[j + half];
+            const float keep = up ? v[j + half] : v[j];
+            v[j] = keep + tp_shfl_xor(send, off);
+        }
+    }
+#pragma unroll
+    for (int off = (TP_WAVE / 2) >> L; off > 0; off /= 2) v[0] += tp_shfl_xor(v[0], off);
+    return v[0];
+}
+
 // blockDim.x is a whole number of waves (the launcher rounds kq / 32 up to one): `waves`
 // below counts them, and every wave takes part in the shuffles.
 template <int RB, bool SILU, bool EPI>
@@ -484,12 +527,7 @@ TP_DEV void gemv_q4_k_body(const GemvQ4Params& p) {
     q4k_load<RB, EPI>(wp, sp, zp, wstride, sstride, zstride, b, p.n, A);
     tp_pdl_wait();
     float a[32];
-    const float sa = q4_act<4, SILU>((const float*)p.x, p.k, (const u32*)p.perm, c * 32, a);
-    if (!active) {
-#pragma unroll
-        for (int e = 0; e < 32; ++e) a[e] = 0.0f;
-    }
-    const float sa_used = active ? sa : 0.0f;
+    const float sa_used = q4k_acts<SILU>(p, c, active, a);
     u32 slot = 0;
     // One batch: the next batch's loads into `nxt`, then `cur` computed, reduced and written.
     auto step = [&](Q4KBatch<RB>& cur, Q4KBatch<RB>& nxt) -> bool {
@@ -497,26 +535,9 @@ TP_DEV void gemv_q4_k_body(const GemvQ4Params& p) {
         const bool more = b2 < batches;
         if (more) q4k_load<RB, EPI>(wp, sp, zp, wstride, sstride, zstride, b2, p.n, nxt);
         float v[RB];
-#pragma unroll
-        for (int r = 0; r < RB; ++r) {
-            const float d = q4_dot<4>(cur.w[r], a);
-            const float z = (float)((cur.z[r] >> zshift) & 0xfu);
-            v[r] = q4_scale(cur.s[r]) * fmaf(-z, sa_used, d);
-        }
-#pragma unroll
-        for (int i = 0; i < L; ++i) {
-            const int off = (TP_WAVE / 2) >> i, half = RB >> (i + 1);
-            const bool up = (lane & off) != 0;
-#pragma unroll
-            for (int j = 0; j < half; ++j) {
-                const float send = up ? v[j] : v[j + half];
-                const float keep = up ? v[j + half] : v[j];
-                v[j] = keep + tp_shfl_xor(send, off);
-            }
-        }
-#pragma unroll
-        for (int off = (TP_WAVE / 2) >> L; off > 0; off /= 2) v[0] += tp_shfl_xor(v[0], off);
-        if (lane % (TP_WAVE >> L) == 0) red[slot][wave][lane / (TP_WAVE >> L)] = v[0];
+        q4k_dots<RB>(cur, a, zshift, sa_used, v);
+        const float sum = q4k_wave_sums<RB, L>(v, lane);
+        if (lane % (TP_WAVE >> L) == 0) red[slot][wave][lane / (TP_WAVE >> L)] = sum;
         __syncthreads();
         if (t < YB) {
             float sum = 0.0f;
