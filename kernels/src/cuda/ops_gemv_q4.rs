@@ -454,13 +454,15 @@ fn specs() -> Vec<Spec> {
     v.push(spec(1, 4096, 4096, 128, false, true));
     v.push(spec(1, 2048, 1024, 128, true, true));
     // The epilogue: `_k_e` (one and many batches, the last partial), `_kb_e`, the row-group
-    // kernel (the word path) and the prefill tiles, with desc_act on two.
+    // kernel (the word path and the 16-byte path) and the prefill tiles, desc_act on two.
     v.push(epi(1, 256, 40, 32, false));
     v.push(epi(1, 5120, 2202, 128, false));
     v.push(epi(1, 4096, 4096, 128, true));
     v.push(epi(1, 12288, 40, 128, false));
     v.push(epi(1, 12288, 2202, 128, false));
     v.push(epi(1, 200, 24, 40, false));
+    v.push(epi(1, 200, 26, 40, false)); // 13 rows of y: the last row group partial
+    v.push(epi(1, 20608, 26, 128, false)); // kq / 32 = 644 > 640: the row-group kernel's 16-byte path
     v.push(epi(3, 1024, 136, 128, true));
     v.push(epi(9, 256, 40, 64, false));
     v

@@ -79,7 +79,7 @@ pub struct LayerWeights<B> {
     /// `post_attention_layernorm`: [h] → [h] (replicated), f32.
     pub ffn_norm: Tensor<B>,
     /// `gate_proj | up_proj`: [2·intermediate, h] → [2·I, h]: this rank's gate rows, then
-    /// its up rows (so each output row is [gate | up], what `Prologue::SiluMul` reads).
+    /// its up rows (the layout `Epilogue::SiluMul` pairs: output j is silu(gate j) · up j).
     /// GPTQ: int4, gate and up fused the same way.
     pub w_gate_up: Matrix<B>,
     /// `down_proj`: [h, intermediate] → [h, I]. GPTQ: int4, I on group boundaries.
