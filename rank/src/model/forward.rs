@@ -1485,16 +1485,17 @@ impl<D: Device> Model<D> {
                 _ => unreachable!("each layer's cache is allocated for its mixer"),
             }
             // x = x + allreduce(o); xb = post_attention_layernorm(x), settled here: gate|up
-            // is too wide for the fold to pay, and takes the SiluMul epilogue instead.
-            seam(comm, lw.ffn_norm.view(), cur, None)?; // next_n None: never pending
-                                                        // hb = silu(gate_proj(xb)) · up_proj(xb), in gate|up's epilogue (dense and int4):
-                                                        // the activation is computed once per element, not by every block of down_proj
-                                                        // that reads it, and down_proj reads an input half as wide.
+            // is too wide for the fold to pay, and takes the SiluMul epilogue instead (next_n
+            // None: never pending).
+            seam(comm, lw.ffn_norm.view(), cur, None)?;
+            // hb = silu(gate_proj(xb)) · up_proj(xb), in gate|up's epilogue (dense and int4):
+            // the activation is computed once per element, not by every block of down_proj
+            // that reads it, and down_proj reads an input half as wide.
             let hb = f32v(&s.hb, m * ni);
             self.matmul(xb, &lw.w_gate_up, hb, m, Epilogue::SiluMul)?;
             // x = x + allreduce(down_proj(hb)); xb = the next layer's input_layernorm(x), or
             // the final norm after the last layer.
-            self.matmul_in(hb, &lw.w_down, o, m, Prologue::None)?;
+            self.matmul(hb, &lw.w_down, o, m, Epilogue::None)?;
             let next = if l + 1 < nl {
                 w.layers[l + 1].attn_norm.view()
             } else {
@@ -1545,40 +1546,14 @@ impl<D: Device> Model<D> {
         Ok(())
     }
 
-    /// `y = f(x) · wᵀ` for `m` rows of a dense or int4 weight (`Op::Matmul` or
-    /// `Op::MatmulInt4`); `f` as `prologue` says, the shapes the weight's.
-    /// `y = w · x` with an epilogue (a plain input).
+    /// `y = g(x · wᵀ)` for `m` rows of a dense or int4 weight (`Op::Matmul` or
+    /// `Op::MatmulInt4`), `g` as `epilogue` says; the shapes the weight's.
     fn matmul(
         &self,
         x: View<'_, D::Buf>,
         w: &Matrix<D::Buf>,
         y: View<'_, D::Buf>,
         m: usize,
-        epilogue: Epilogue,
-    ) -> Result<(), RankError> {
-        self.product(x, w, y, m, Prologue::None, epilogue)
-    }
-
-    /// `y = w · f(x)` with a prologue (no epilogue).
-    fn matmul_in(
-        &self,
-        x: View<'_, D::Buf>,
-        w: &Matrix<D::Buf>,
-        y: View<'_, D::Buf>,
-        m: usize,
-        prologue: Prologue,
-    ) -> Result<(), RankError> {
-        self.product(x, w, y, m, prologue, Epilogue::None)
-    }
-
-    /// One product over a dense or int4 matrix.
-    fn product(
-        &self,
-        x: View<'_, D::Buf>,
-        w: &Matrix<D::Buf>,
-        y: View<'_, D::Buf>,
-        m: usize,
-        prologue: Prologue,
         epilogue: Epilogue,
     ) -> Result<(), RankError> {
         let op = match w {
@@ -1595,7 +1570,7 @@ impl<D: Device> Model<D> {
                     m,
                     k: t.len / n,
                     n,
-                    prologue,
+                    prologue: Prologue::None,
                     epilogue,
                 })
             }
@@ -1615,7 +1590,7 @@ impl<D: Device> Model<D> {
                     n: q.n,
                     group: q.group,
                     groups: q.groups,
-                    prologue,
+                    prologue: Prologue::None,
                     epilogue,
                 })
             }
