@@ -6,7 +6,7 @@
 
 use super::super::{CpuBuf, CpuDevice};
 use super::attention::{attention as attention_rows, AttnArgs};
-use super::elementwise::{add, silu_mul};
+use super::elementwise::{add, silu_mul, silu_mul_epilogue};
 use super::matmul::matmul as matmul_plain;
 use super::norm::rms_norm;
 use super::rope::rope as rope_rows;
@@ -174,21 +174,14 @@ pub(crate) fn attention(dev: &CpuDevice, a: &ops::Attention<'_, CpuBuf>) -> Resu
 
 pub(crate) fn matmul(dev: &CpuDevice, a: &ops::Matmul<'_, CpuBuf>) -> Result<()> {
     if a.epilogue == Epilogue::SiluMul {
-        // The whole product [m, n] first, then y[r] = silu(gate) · up of its two halves.
-        let (h, full) = (a.n / 2, dev.alloc(a.m * a.n * 4)?);
-        let full = View::new(&full, 0, a.m * a.n, DType::F32);
-        let plain = ops::Matmul {
-            y: full,
-            epilogue: Epilogue::None,
-            ..*a
-        };
-        matmul(dev, &plain)?;
-        for r in 0..a.m {
-            let row = full.slice(r * a.n, a.n);
-            let out = a.y.slice(r * h, h);
-            silu_mul(dev, &row.slice(0, h), &row.slice(h, h), &out)?;
-        }
-        return Ok(());
+        return silu_mul_epilogue(dev, a.m, a.n, &a.y, |full| {
+            let plain = ops::Matmul {
+                y: full,
+                epilogue: Epilogue::None,
+                ..*a
+            };
+            matmul(dev, &plain)
+        });
     }
     match a.prologue {
         Prologue::None => matmul_plain(dev, &a.x, &a.w, a.bias.as_ref(), &a.y, a.m, a.k, a.n),

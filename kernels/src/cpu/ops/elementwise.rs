@@ -3,7 +3,7 @@
 
 use super::super::{par_ranges, CpuBuf, CpuDevice};
 use super::{f32_ptr, same_or_disjoint};
-use crate::{with_dtype, KernelError, Result, View};
+use crate::{with_dtype, DType, Device, KernelError, Result, View};
 
 /// Elements per thread below which threads do not pay: the figure `reduce.rs` uses for the
 /// same kind of streaming loop.
@@ -76,6 +76,26 @@ pub(crate) fn silu_mul(
     binary(dev, gate, up, out, "silu_mul", |g, u| {
         g / (1.0 + (-g).exp()) * u
     })
+}
+
+/// The SiluMul epilogue of a product's twin (`Matmul`, `MatmulInt4`): `product` writes the
+/// whole [m, n] product into a scratch view, then y[r] = silu(gate) · up of its row's two
+/// halves ([m, n/2]).
+pub(crate) fn silu_mul_epilogue(
+    dev: &CpuDevice,
+    m: usize,
+    n: usize,
+    y: &View<'_, CpuBuf>,
+    product: impl FnOnce(View<'_, CpuBuf>) -> Result<()>,
+) -> Result<()> {
+    let (h, full) = (n / 2, dev.alloc(m * n * 4)?);
+    let full = View::new(&full, 0, m * n, DType::F32);
+    product(full)?;
+    for r in 0..m {
+        let row = full.slice(r * n, n);
+        silu_mul(dev, &row.slice(0, h), &row.slice(h, h), &y.slice(r * h, h))?;
+    }
+    Ok(())
 }
 
 pub(crate) fn sigmoid_mul(

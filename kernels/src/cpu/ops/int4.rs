@@ -8,11 +8,11 @@
 //! (it widens 8 bytes per 4-bit weight), but plain: the reference the GPU is held to.
 
 use super::super::{par_ranges, CpuBuf, CpuDevice};
-use super::elementwise::silu_mul;
+use super::elementwise::silu_mul_epilogue;
 use super::{dot, f32_ptr, overlaps, typed_ptr, MIN_WORK_PER_THREAD};
 use crate::int4::PACK;
 use crate::ops::{Epilogue, MatmulInt4, Prologue};
-use crate::{DType, Device, KernelError, Result, View};
+use crate::{KernelError, Result};
 
 pub(crate) fn matmul_int4(dev: &CpuDevice, a: &MatmulInt4<'_, CpuBuf>) -> Result<()> {
     let (m, k, n, kq, group, groups) = (a.m, a.k, a.n, a.kq(), a.group, a.groups);
@@ -22,28 +22,14 @@ pub(crate) fn matmul_int4(dev: &CpuDevice, a: &MatmulInt4<'_, CpuBuf>) -> Result
         ));
     }
     if a.epilogue == Epilogue::SiluMul {
-        // The whole product [m, n] first, then y[r] = silu(gate) · up of its two halves, as
-        // the dense twin does.
-        let (h, full) = (n / 2, dev.alloc(m * n * 4)?);
-        let full = View::new(&full, 0, m * n, DType::F32);
-        matmul_int4(
-            dev,
-            &MatmulInt4 {
+        return silu_mul_epilogue(dev, m, n, &a.y, |full| {
+            let plain = MatmulInt4 {
                 y: full,
                 epilogue: Epilogue::None,
                 ..*a
-            },
-        )?;
-        for r in 0..m {
-            let row = full.slice(r * n, n);
-            silu_mul(
-                dev,
-                &row.slice(0, h),
-                &row.slice(h, h),
-                &a.y.slice(r * h, h),
-            )?;
-        }
-        return Ok(());
+            };
+            matmul_int4(dev, &plain)
+        });
     }
     let xk = a.prologue.x_width(k);
     let px = f32_ptr(&a.x, m * xk, "matmul_int4 x")?;
