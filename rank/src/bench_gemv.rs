@@ -68,15 +68,8 @@ fn host_weights(r: &GemvRow, rng: &mut Rng) -> Vec<(Vec<u8>, usize, DType)> {
     }
 }
 
-/// The row's op over one copy of its weights.
-fn op<'a, B>(
-    r: &GemvRow,
-    w: &'a Weights<B>,
-    lens: &[(usize, DType)],
-    x: View<'a, B>,
-    y: View<'a, B>,
-) -> Op<'a, B> {
-    let v = |i: usize| View::new(&w.bufs[i], 0, lens[i].0, lens[i].1);
+/// The row's prologue and epilogue (its `silu` and `glu` flags).
+fn acts(r: &GemvRow) -> (Prologue, Epilogue) {
     let prologue = if r.silu {
         Prologue::SiluMul
     } else {
@@ -87,6 +80,19 @@ fn op<'a, B>(
     } else {
         Epilogue::None
     };
+    (prologue, epilogue)
+}
+
+/// The row's op over one copy of its weights.
+fn op<'a, B>(
+    r: &GemvRow,
+    w: &'a Weights<B>,
+    lens: &[(usize, DType)],
+    x: View<'a, B>,
+    y: View<'a, B>,
+) -> Op<'a, B> {
+    let v = |i: usize| View::new(&w.bufs[i], 0, lens[i].0, lens[i].1);
+    let (prologue, epilogue) = acts(r);
     match r.quant {
         GemvQuant::Dense(_) => Op::Matmul(Matmul {
             x,
@@ -202,11 +208,11 @@ pub fn run<D: Device>(
                 }
                 ws.push(Weights { bufs });
             }
-            let xk = if r.silu { 2 * r.k } else { r.k };
+            let (prologue, epilogue) = acts(r);
+            let (xk, yn) = (prologue.x_width(r.k), epilogue.y_width(r.n));
             let x: Vec<f32> = (0..r.m * xk).map(|_| rng.f32_sym()).collect();
             let bx = dev.alloc(x.len() * 4)?;
             dev.write(&bx, 0, &tprun_kernels::dtype::encode(DType::F32, &x))?;
-            let yn = if r.glu { r.n / 2 } else { r.n };
             let by = dev.alloc(r.m * yn * 4)?;
             let (xv, yv) = (
                 View::new(&bx, 0, x.len(), DType::F32),
