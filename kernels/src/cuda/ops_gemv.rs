@@ -582,19 +582,11 @@ impl TwinCase for MatmulCase {
         let w = crate::dtype::decode(s.dtype, &self.w);
         let bias = crate::dtype::decode(DType::F32, &self.b);
         let (x, w) = (&x[s.offset..], &w[s.offset..]);
-        let h = s.n / 2;
-        let sum = |t: usize, row: usize| -> f64 {
+        Some(twin::glu_magnitudes(s.m, s.n / 2, |t, row| {
             let (xr, wr) = (&x[t * s.k..(t + 1) * s.k], &w[row * s.k..(row + 1) * s.k]);
             let d: f64 = xr.iter().zip(wr).map(|(a, b)| *a as f64 * *b as f64).sum();
             d + if s.bias { bias[row] as f64 } else { 0.0 }
-        };
-        let mut out = Vec::with_capacity(s.m * h);
-        for t in 0..s.m {
-            for j in 0..h {
-                out.push(((1.0 + sum(t, j).abs()) * (1.0 + sum(t, h + j).abs())) as f32);
-            }
-        }
-        Some(out)
+        }))
     }
 }
 

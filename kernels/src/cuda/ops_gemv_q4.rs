@@ -389,18 +389,11 @@ impl TwinCase for Int4Case {
         }
         let x = crate::dtype::decode(DType::F32, &self.x);
         let w = self.h.dequantize();
-        let (k, h) = (s.k, s.n / 2);
-        let sum = |t: usize, row: usize| -> f64 {
+        let k = s.k;
+        Some(twin::glu_magnitudes(s.m, s.n / 2, |t, row| {
             let (xr, wr) = (&x[t * k..(t + 1) * k], &w[row * k..(row + 1) * k]);
             xr.iter().zip(wr).map(|(a, b)| *a as f64 * *b as f64).sum()
-        };
-        let mut out = Vec::with_capacity(s.m * h);
-        for t in 0..s.m {
-            for j in 0..h {
-                out.push(((1.0 + sum(t, j).abs()) * (1.0 + sum(t, h + j).abs())) as f32);
-            }
-        }
-        Some(out)
+        }))
     }
 }
 

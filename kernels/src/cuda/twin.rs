@@ -152,6 +152,19 @@ fn differ(spec: &Buf, got: &[u8], want: &[u8], tol: Tol, mags: Option<&[f32]>) -
         })
 }
 
+/// [`TwinCase::magnitudes`] of a SiluMul epilogue's output y = silu(a) · b, [m, h]: (1 + |a|) ·
+/// (1 + |b|) per element, from `sum(t, row)`, the f64 product of token t and row `row` (gate
+/// rows j < h, up rows h + j).
+pub(crate) fn glu_magnitudes(m: usize, h: usize, sum: impl Fn(usize, usize) -> f64) -> Vec<f32> {
+    let mut out = Vec::with_capacity(m * h);
+    for t in 0..m {
+        for j in 0..h {
+            out.push(((1.0 + sum(t, j).abs()) * (1.0 + sum(t, h + j).abs())) as f32);
+        }
+    }
+    out
+}
+
 /// Runs `case` on one device alone (outputs poisoned first) and returns every buffer's bytes
 /// afterwards, in `bufs` order: for tests that look at one backend's results.
 #[cfg(test)]
