@@ -10,8 +10,8 @@
 # (default 2), one line per run, and a check that every binary gives the same tokens.
 # --check first runs `tprun selftest` and `qwen35.sh check` (the transformers-built tiny
 # fixtures, dense and GPTQ, 1 and 4 ranks, graph and eager) with the first binary (--selftest:
-# the selftest alone). Last, one
-# profiled run of the first binary (eager, each op between events): µs per token by op.
+# the selftest alone). Last, one profiled run of the first binary (eager, each op between
+# events): µs per token by op.
 # GEMV_ONLY=1: the checks and the bench only (no synth, no decode). Results in $OUT (or ./out).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -84,14 +84,14 @@ import json, sys
 j = json.load(open(sys.argv[1]))
 p = j.get("profile", [])
 tot = sum(e["us_per_token"] for e in p)
+steps = max(j["decode_tokens"] - 1, 1)  # the steps the profile counts (decode.rs steps_profiled)
 print(f"  total {tot:.1f} us/token profiled; {j['decode_tokens_per_s']:.1f} tok/s under the profiler")
 for e in p[:14]:
-    print(f"  {e['us_per_token']:8.1f} us/token {e['us_per_token'] / tot * 100:5.1f} %  {e['calls'] / 63:6.1f} calls/token  {e['op']}")
+    print(f"  {e['us_per_token']:8.1f} us/token {e['us_per_token'] / tot * 100:5.1f} %  {e['calls'] / steps:6.1f} calls/token  {e['op']}")
 PY
 python3 - "$out" "${#bins[@]}" <<'PY' || fail "tokens differ between binaries"
-import json, sys
+import json, os, sys
 o, n = sys.argv[1], int(sys.argv[2])
-import os
 runs = {i: f"{o}/ab-{i}-r1.json" for i in range(n)}
 toks = {i: json.load(open(f))["token_ids"] for i, f in runs.items() if os.path.exists(f)}
 same = len(toks) == n and all(t == toks[0] for t in toks.values())
