@@ -627,22 +627,26 @@ pub struct Matmul<'a, B> {
     pub epilogue: Epilogue,
 }
 
+/// The rules a product's prologue and epilogue keep together ([`Matmul`], [`MatmulInt4`]): at
+/// most one of them SiluMul, and an even n (gate rows, then up rows) under the epilogue.
+fn check_acts(op: &str, prologue: Prologue, epilogue: Epilogue, n: usize) -> Result<()> {
+    if epilogue == Epilogue::SiluMul {
+        if prologue == Prologue::SiluMul {
+            return Err(bad(op, "a SiluMul prologue and epilogue together"));
+        }
+        if !n.is_multiple_of(2) {
+            return Err(bad(
+                op,
+                format!("the SiluMul epilogue needs an even n (gate | up), got {n}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl<B> Matmul<'_, B> {
     pub fn validate(&self) -> Result<()> {
-        if self.epilogue == Epilogue::SiluMul {
-            if self.prologue == Prologue::SiluMul {
-                return Err(bad("matmul", "a SiluMul prologue and epilogue together"));
-            }
-            if !self.n.is_multiple_of(2) {
-                return Err(bad(
-                    "matmul",
-                    format!(
-                        "the SiluMul epilogue needs an even n (gate | up), got {}",
-                        self.n
-                    ),
-                ));
-            }
-        }
+        check_acts("matmul", self.prologue, self.epilogue, self.n)?;
         let xk = self.prologue.x_width(self.k);
         expect("matmul", "x", &self.x, self.m * xk, F32)?;
         expect("matmul", "w", &self.w, self.n * self.k, None)?;
@@ -732,20 +736,7 @@ impl<B> MatmulInt4<'_, B> {
     pub fn validate(&self) -> Result<()> {
         let op = "matmul_int4";
         let (g, kq) = (self.group, self.kq());
-        if self.epilogue == Epilogue::SiluMul {
-            if self.prologue == Prologue::SiluMul {
-                return Err(bad(op, "a SiluMul prologue and epilogue together"));
-            }
-            if !self.n.is_multiple_of(2) {
-                return Err(bad(
-                    op,
-                    format!(
-                        "the SiluMul epilogue needs an even n (gate | up), got {}",
-                        self.n
-                    ),
-                ));
-            }
-        }
+        check_acts(op, self.prologue, self.epilogue, self.n)?;
         if g == 0 || !g.is_multiple_of(8) || self.groups == 0 || self.k == 0 {
             return Err(bad(
                 op,
