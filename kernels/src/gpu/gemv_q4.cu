@@ -414,11 +414,11 @@ TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
 // whole kernel, and its group, scale and zero offsets are fixed; only row pointers move. The
 // block walks batches of RB rows (b, b + gridDim.x, ...: a persistent grid, sized by the
 // launcher from the occupancy), per row one 16-byte weight load, one scale and one zero word
-// per thread, the next batch's loads issued before the current batch is computed (two
-// register sets with their roles swapped each step, so nothing is copied). Each wave reduces
-// its RB partial sums with a transposed butterfly (log2 RB exchanges of half the values, then
-// plain xor steps: lane group r ends with row r), the waves' sums meet in shared memory, and
-// after one barrier the first RB threads add them in wave order (deterministic) and write y.
+// per thread, the loads of the next D − 1 batches issued before the current batch is computed
+// (D register sets used in rotation, so nothing is copied). Each wave reduces its RB partial
+// sums with a transposed butterfly (log2 RB exchanges of half the values, then plain xor
+// steps: lane group r ends with row r), the waves' sums meet in shared memory, and after one
+// barrier per F batches lanes of wave 0 add them in wave order (deterministic) and write y.
 // ~3.3 instructions per weight. H200, 27B MLP shapes at group 128 (scripts/device/q4lab.cu,
 // 2026-12-03): gate|up [34816, 5120] 2.61 TB/s with RB = 4 (160 threads, 3 blocks per SM),
 // down + silu [5120, 17408] 1.79 TB/s with RB = 2 (544 threads, 1 block per SM: the
@@ -433,8 +433,19 @@ TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
 // 32–36 µs, gate|up 52 µs: worse; the shared-memory round trip costs more than it hides), and
 // bulk L2 prefetches (cp.async.bulk.prefetch.L2) of the batches 1–4 ahead of the register
 // loads by one thread per block (down 26.3–26.6 µs, gate|up 38.9–40.2: worse too).
+// D and F (lab T2, H100, 2026-12-06; both kernels take the same time on an H100 and an H200,
+// so they wait on latency in SM cycles, not on DRAM): down (544 threads, 1 block per SM)
+// 27.0 µs at D 2, F 1 (as before), 24.2 at D 3, F 8, 25.1 at D 2, F 8, 26.1 at D 4 (spills);
+// in production 23.4 → 21.4 µs. gate|up (160 threads, 3 blocks per SM at 126 registers) gains
+// from neither: D 3 costs a block per SM (40.8 µs against 37.9), F 8 costs 1.2 µs (one
+// wave's 32 serial sums per phase), L2 prefetches (`prefetch.global.L2`, 3–5 batches ahead)
+// nothing.
 #define TP_Q4K_ROWS 4        // RB of gemv_q4_k* (blocks of at most 256 threads)
 #define TP_Q4K_ROWS_BIG 2    // RB of gemv_q4_kb* (up to 640 threads: the registers allow 2)
+#define TP_Q4K_SETS 2        // D of gemv_q4_k*: register sets of batch loads (D − 1 ahead)
+#define TP_Q4K_SETS_BIG 3    // D of gemv_q4_kb*
+#define TP_Q4K_FLUSH 1       // F of gemv_q4_k*: batches per barrier
+#define TP_Q4K_FLUSH_BIG 8   // F of gemv_q4_kb*
 
 template <int RB>
 struct Q4KBatch {
@@ -500,13 +511,22 @@ TP_DEV float q4k_wave_sums(float (&v)[RB], u32 lane) {
 }
 
 // blockDim.x is a whole number of waves (the launcher rounds kq / 32 up to one): `waves`
-// below counts them, and every wave takes part in the shuffles.
-template <int RB, bool SILU, bool EPI>
+// below counts them, and every wave takes part in the shuffles and barriers.
+//
+// D register sets of batch loads, used in rotation (the loop is unrolled D times so that each
+// stays in registers): while batch i is computed, the loads of batches i + 1 .. i + D − 1 are
+// in flight. F: the waves' sums of F batches gather in shared memory (a ring of 2F slots, so
+// one barrier per F batches suffices: a half is rewritten only after the next barrier, which
+// every reader of it has passed) and after each barrier thread j · RB + r adds row r of the
+// phase's batch j over the waves, in wave order (deterministic). With the epilogue the up sum
+// of a batch (row r + YB) reaches its gate row's thread by one shuffle (lane xor YB).
+template <int RB, bool SILU, bool EPI, int D, int F>
 TP_DEV void gemv_q4_k_body(const GemvQ4Params& p) {
     static_assert(!(SILU && EPI) && (!EPI || RB >= 2), "one of prologue and epilogue; pairs");
     constexpr int L = RB == 1 ? 0 : RB == 2 ? 1 : RB == 4 ? 2 : RB == 8 ? 3 : 4;
     static_assert((1 << L) == RB && RB <= 16, "RB a power of two up to 16");
-    __shared__ float red[2][1024 / TP_WAVE][RB];  // [slot][wave][row]
+    static_assert(D >= 2 && F >= 1 && F * RB <= TP_WAVE, "sets; one wave does a phase's sums");
+    __shared__ float red[2 * F][1024 / TP_WAVE][RB];  // [slot][wave][row]
     const u32 t = threadIdx.x, lane = t % TP_WAVE, wave = t / TP_WAVE, waves = blockDim.x / TP_WAVE;
     const u32 chunks = p.kq / 32;
     const bool active = t < chunks;
@@ -520,48 +540,57 @@ TP_DEV void gemv_q4_k_body(const GemvQ4Params& p) {
     // With the epilogue, y's rows are n / 2 and a batch writes RB / 2 of them.
     constexpr u32 YB = EPI ? RB / 2 : RB;
     const u32 yn = EPI ? p.n / 2 : p.n;
-    const u32 batches = (yn + YB - 1) / YB;
+    const u32 batches = (yn + YB - 1) / YB, G = gridDim.x;
     u32 b = blockIdx.x;
     if (b >= batches) return;  // the whole block: it reads and writes nothing
-    Q4KBatch<RB> A, B;
-    q4k_load<RB, EPI>(wp, sp, zp, wstride, sstride, zstride, b, p.n, A);
+    Q4KBatch<RB> set[D];
+#pragma unroll
+    for (int d = 0; d < D - 1; ++d) {
+        if (b + d * G < batches)
+            q4k_load<RB, EPI>(wp, sp, zp, wstride, sstride, zstride, b + d * G, p.n, set[d]);
+    }
     tp_pdl_wait();
     float a[32];
     const float sa_used = q4k_acts<SILU>(p, c, active, a);
-    u32 slot = 0;
-    // One batch: the next batch's loads into `nxt`, then `cur` computed, reduced and written.
-    auto step = [&](Q4KBatch<RB>& cur, Q4KBatch<RB>& nxt) -> bool {
-        const u32 b2 = b + gridDim.x;
-        const bool more = b2 < batches;
-        if (more) q4k_load<RB, EPI>(wp, sp, zp, wstride, sstride, zstride, b2, p.n, nxt);
-        float v[RB];
-        q4k_dots<RB>(cur, a, zshift, sa_used, v);
-        const float sum = q4k_wave_sums<RB, L>(v, lane);
-        if (lane % (TP_WAVE >> L) == 0) red[slot][wave][lane / (TP_WAVE >> L)] = sum;
-        __syncthreads();
-        if (t < YB) {
-            float sum = 0.0f;
-            for (u32 w = 0; w < waves; ++w) sum += red[slot][w][t];
-            if (EPI) {
-                float up = 0.0f;
-                for (u32 w = 0; w < waves; ++w) up += red[slot][w][t + YB];
-                sum = q4_silu_mul(sum, up);
+    u32 i = 0;  // batches this block has computed
+    bool done = false;
+    while (!done) {
+#pragma unroll
+        for (int d = 0; d < D; ++d) {
+            if (!done) {
+                // The set computed one step ago takes the batch D − 1 ahead.
+                const u32 ahead = b + (D - 1) * G;
+                if (ahead < batches)
+                    q4k_load<RB, EPI>(wp, sp, zp, wstride, sstride, zstride, ahead, p.n, set[(d + D - 1) % D]);
+                float v[RB];
+                q4k_dots<RB>(set[d], a, zshift, sa_used, v);
+                const float sum = q4k_wave_sums<RB, L>(v, lane);
+                if (lane % (TP_WAVE >> L) == 0) red[i % (2 * F)][wave][lane / (TP_WAVE >> L)] = sum;
+                ++i;
+                b += G;
+                done = b >= batches;  // the same in every thread: the barrier below is uniform
+                if (done || i % F == 0) {
+                    __syncthreads();
+                    if (wave == 0) {
+                        const u32 i0 = (i - 1) / F * F, j = lane / RB, r = lane % RB;
+                        float s = 0.0f;
+                        if (i0 + j < i) {
+                            for (u32 w = 0; w < waves; ++w) s += red[(i0 + j) % (2 * F)][w][r];
+                        }
+                        if (EPI) s = q4_silu_mul(s, tp_shfl_xor(s, YB));
+                        const u32 row = (blockIdx.x + (i0 + j) * G) * YB + r;
+                        if (i0 + j < i && r < YB && row < yn) ((float*)p.y)[row] = s;
+                    }
+                }
             }
-            const u32 row = b * YB + t;
-            if (row < yn) ((float*)p.y)[row] = sum;
         }
-        slot ^= 1;
-        b = b2;
-        return more;
-    };
-    for (;;) {
-        if (!step(A, B)) break;
-        if (!step(B, A)) break;
     }
 }
 
-#define TP_GEMV_Q4K_KERNEL(name, RB, SILU, EPI, MAXT) \
-    extern "C" __global__ void TP_LAUNCH_BOUNDS(MAXT, 1) name(const GemvQ4Params p) { gemv_q4_k_body<RB, SILU, EPI>(p); }
+#define TP_GEMV_Q4K_KERNEL(name, RB, SILU, EPI, MAXT, D, F)                                   \
+    extern "C" __global__ void TP_LAUNCH_BOUNDS(MAXT, 1) name(const GemvQ4Params p) { \
+        gemv_q4_k_body<RB, SILU, EPI, D, F>(p);                                        \
+    }
 
 // Kernel names, in the order of kernels/src/cuda/ops_gemv_q4.rs NAMES.
 // MINB: blocks of 256 threads per SM the registers must allow (see Registers).
@@ -574,12 +603,12 @@ TP_GEMV_Q4_KERNEL(gemv_q4, TP_Q4_ROWS, 1, TP_Q4_LOADS / TP_Q4_ROWS, false, false
 TP_GEMV_Q4_KERNEL(gemv_q4_silu, TP_Q4_ROWS_SILU, 1, TP_Q4_LOADS_SILU / TP_Q4_ROWS_SILU, true, false, 1)
 TP_GEMV_Q4_KERNEL(gemm_q4, TP_Q4_ROWS_TILE, TP_Q4_TOKENS, 1, false, false, 1)
 TP_GEMV_Q4_KERNEL(gemm_q4_silu, TP_Q4_ROWS_TILE, TP_Q4_TOKENS, 1, true, false, 1)
-TP_GEMV_Q4K_KERNEL(gemv_q4_k, TP_Q4K_ROWS, false, false, 256)
-TP_GEMV_Q4K_KERNEL(gemv_q4_k_silu, TP_Q4K_ROWS, true, false, 256)
-TP_GEMV_Q4K_KERNEL(gemv_q4_kb, TP_Q4K_ROWS_BIG, false, false, 640)
-TP_GEMV_Q4K_KERNEL(gemv_q4_kb_silu, TP_Q4K_ROWS_BIG, true, false, 640)
+TP_GEMV_Q4K_KERNEL(gemv_q4_k, TP_Q4K_ROWS, false, false, 256, TP_Q4K_SETS, TP_Q4K_FLUSH)
+TP_GEMV_Q4K_KERNEL(gemv_q4_k_silu, TP_Q4K_ROWS, true, false, 256, TP_Q4K_SETS, TP_Q4K_FLUSH)
+TP_GEMV_Q4K_KERNEL(gemv_q4_kb, TP_Q4K_ROWS_BIG, false, false, 640, TP_Q4K_SETS_BIG, TP_Q4K_FLUSH_BIG)
+TP_GEMV_Q4K_KERNEL(gemv_q4_kb_silu, TP_Q4K_ROWS_BIG, true, false, 640, TP_Q4K_SETS_BIG, TP_Q4K_FLUSH_BIG)
 // The SiluMul epilogue (gate|up writing silu(gate) · up), one per path.
 TP_GEMV_Q4_KERNEL(gemv_q4_e, TP_Q4_ROWS, 1, TP_Q4_LOADS / TP_Q4_ROWS, false, true, 2)
 TP_GEMV_Q4_KERNEL(gemm_q4_e, TP_Q4_ROWS_TILE, TP_Q4_TOKENS, 1, false, true, 1)
-TP_GEMV_Q4K_KERNEL(gemv_q4_k_e, TP_Q4K_ROWS, false, true, 256)
-TP_GEMV_Q4K_KERNEL(gemv_q4_kb_e, TP_Q4K_ROWS_BIG, false, true, 640)
+TP_GEMV_Q4K_KERNEL(gemv_q4_k_e, TP_Q4K_ROWS, false, true, 256, TP_Q4K_SETS, TP_Q4K_FLUSH)
+TP_GEMV_Q4K_KERNEL(gemv_q4_kb_e, TP_Q4K_ROWS_BIG, false, true, 640, TP_Q4K_SETS_BIG, TP_Q4K_FLUSH_BIG)
