@@ -397,115 +397,11 @@ __global__ void __launch_bounds__(MAXT, MINB) lab_t2(const GemvQ4Params p) {
     t2_body<RB, D, PF, F, EPI>(p);
 }
 
-// ---- candidate T3: T2 with the activations in shared memory -----------------------------------
-// T2's register file holds each thread's 32 activations for the whole kernel (32 of the 96
-// registers a 544-thread block allows), which caps the batches in flight at D − 1 = 2 for
-// down. Here each thread writes its pre-scaled chunk to shared memory once (quad q of chunk c
-// at slot q ^ (c % 8): the 8 threads of a 16-byte phase hit distinct banks) and reads it back
-// per batch, two quads per word, each used by the RB rows: 8 LDS.128 per batch and thread,
-// leaving the registers to D − 1 batches of loads in flight.
-template <int RB>
-__device__ __forceinline__ void t3_dots(const Q4KBatch<RB>& cur, const float4* xs, u32 c, u32 zshift, float sa,
-                                        float (&v)[RB]) {
-    float acc[RB][4];
-#pragma unroll
-    for (int r = 0; r < RB; ++r) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[r][j] = 0.0f;
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float4 lo4 = xs[c * 8 + ((2 * i) ^ (c % 8))];
-        const float4 hi4 = xs[c * 8 + ((2 * i + 1) ^ (c % 8))];
-        const float alo[4] = {lo4.x, lo4.y, lo4.z, lo4.w}, ahi[4] = {hi4.x, hi4.y, hi4.z, hi4.w};
-#pragma unroll
-        for (int r = 0; r < RB; ++r) {
-            const u32 lo = cur.w[r].w[i], hi = cur.w[r].w[i] >> 16;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                acc[r][j] = fmaf(alo[j], q4_nib(lo & (0xfu << (4 * j))), acc[r][j]);
-                acc[r][j] = fmaf(ahi[j], q4_nib(hi & (0xfu << (4 * j))), acc[r][j]);
-            }
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < RB; ++r) {
-        float d = acc[r][3] * (TP_Q4_DSCALE * 0x1p-12f);
-        d = fmaf(acc[r][2], TP_Q4_DSCALE * 0x1p-8f, d);
-        d = fmaf(acc[r][1], TP_Q4_DSCALE * 0x1p-4f, d);
-        d = fmaf(acc[r][0], TP_Q4_DSCALE, d);
-        const float z = (float)((cur.z[r] >> zshift) & 0xfu);
-        v[r] = q4_scale(cur.s[r]) * fmaf(-z, sa, d);
-    }
-}
-template <int RB, int D, int F, bool EPI>
-__device__ __forceinline__ void t3_body(const GemvQ4Params& p) {
-    constexpr int L = RB == 1 ? 0 : RB == 2 ? 1 : RB == 4 ? 2 : RB == 8 ? 3 : 4;
-    static_assert((1 << L) == RB && D >= 2 && F >= 1 && F * RB <= 32, "shape");
-    __shared__ float red[2 * F][1024 / 32][RB];
-    extern __shared__ float4 xs[];  // [blockDim.x · 8]
-    const u32 t = threadIdx.x, lane = t % 32, wave = t / 32, waves = blockDim.x / 32;
-    const u32 chunks = p.kq / 32;
-    const bool active = t < chunks;
-    const u32 c = active ? t : 0;
-    const u32 g = c * 32 / p.group, zshift = 4 * (g % 8);
-    const u32 zstride = (p.groups + 7) / 8, wstride = p.kq / 8, sstride = p.groups;
-    const u32* wp = (const u32*)p.qweight + c * 4;
-    const u16* sp = (const u16*)p.scales + g;
-    const u32* zp = (const u32*)p.zeros + g / 8;
-    constexpr u32 YB = EPI ? RB / 2 : RB;
-    const u32 yn = EPI ? p.n / 2 : p.n, batches = (yn + YB - 1) / YB, G = gridDim.x;
-    u32 b = blockIdx.x;
-    if (b >= batches) return;
-    Q4KBatch<RB> set[D];
-#pragma unroll
-    for (int d = 0; d < D - 1; ++d)
-        if (b + d * G < batches) q4k_load<RB, EPI>(wp, sp, zp, wstride, sstride, zstride, b + d * G, p.n, set[d]);
-    tp_pdl_wait();
-    float sa;
-    {
-        float a[32];
-        sa = q4k_acts<false>(p, c, active, a);
-#pragma unroll
-        for (int q = 0; q < 8; ++q) xs[t * 8 + (q ^ (t % 8))] = make_float4(a[4 * q], a[4 * q + 1], a[4 * q + 2], a[4 * q + 3]);
-    }
-    __syncthreads();
-    u32 i = 0;
-    bool done = false;
-    while (!done) {
-#pragma unroll
-        for (int d = 0; d < D; ++d) {
-            if (!done) {
-                const u32 bl = b + (D - 1) * G;
-                if (bl < batches) q4k_load<RB, EPI>(wp, sp, zp, wstride, sstride, zstride, bl, p.n, set[(d + D - 1) % D]);
-                float v[RB];
-                t3_dots<RB>(set[d], xs, t, zshift, sa, v);
-                const float sum = q4k_wave_sums<RB, L>(v, lane);
-                if (lane % (32 >> L) == 0) red[i % (2 * F)][wave][lane / (32 >> L)] = sum;
-                ++i;
-                b += G;
-                done = b >= batches;
-                if (done || i % F == 0) {
-                    __syncthreads();
-                    if (wave == 0) {
-                        const u32 i0 = (i - 1) / F * F, j = lane / RB, r = lane % RB;
-                        float s = 0.0f;
-                        if (i0 + j < i) {
-                            for (u32 w = 0; w < waves; ++w) s += red[(i0 + j) % (2 * F)][w][r];
-                        }
-                        if (EPI) s = q4_silu_mul(s, tp_shfl_xor(s, YB));
-                        const u32 row = (blockIdx.x + (i0 + j) * G) * YB + r;
-                        if (i0 + j < i && r < YB && row < yn) ((float*)p.y)[row] = s;
-                    }
-                }
-            }
-        }
-    }
-}
-template <int RB, int D, int F, bool EPI, int MAXT, int MINB>
-__global__ void __launch_bounds__(MAXT, MINB) lab_t3(const GemvQ4Params p) {
-    t3_body<RB, D, F, EPI>(p);
-}
+// ---- candidate T3 (removed) -----------------------------------------------------------------
+// T2 with each thread's activations in shared memory (read back per batch, two quads per word)
+// so that the registers hold more batches of loads (2026-12-06, H100): down 25.1 µs at D 4,
+// 28–31 at D 5–6, gate|up 38.7 µs, against T2's 24.3 and TE's 36.8: the shared-memory reads
+// cost more than the deeper loads gain (docs/perf-notes.md); in git history before this note.
 
 // ---- candidate TP (removed) -----------------------------------------------------------------
 // T with each thread's weights staged through a D-stage cp.async ring in shared memory
@@ -1005,18 +901,6 @@ template __global__ void lab_t2<2, 2, 3, 8, false, 544, 1>(const GemvQ4Params);
 template __global__ void lab_t2<2, 3, 5, 8, false, 544, 1>(const GemvQ4Params);
 template __global__ void lab_t2<4, 2, 0, 8, false, 544, 1>(const GemvQ4Params);
 template __global__ void lab_t2<4, 3, 0, 8, false, 544, 1>(const GemvQ4Params);
-template __global__ void lab_t3<4, 2, 1, true, 160, 3>(const GemvQ4Params);
-template __global__ void lab_t3<4, 3, 1, true, 160, 3>(const GemvQ4Params);
-template __global__ void lab_t3<4, 3, 8, true, 160, 3>(const GemvQ4Params);
-template __global__ void lab_t3<4, 4, 1, true, 160, 2>(const GemvQ4Params);
-template __global__ void lab_t3<2, 3, 1, true, 160, 3>(const GemvQ4Params);
-template __global__ void lab_t3<2, 4, 1, true, 160, 3>(const GemvQ4Params);
-template __global__ void lab_t3<2, 3, 8, false, 544, 1>(const GemvQ4Params);
-template __global__ void lab_t3<2, 4, 8, false, 544, 1>(const GemvQ4Params);
-template __global__ void lab_t3<2, 5, 8, false, 544, 1>(const GemvQ4Params);
-template __global__ void lab_t3<2, 6, 8, false, 544, 1>(const GemvQ4Params);
-template __global__ void lab_t3<4, 3, 8, false, 544, 1>(const GemvQ4Params);
-template __global__ void lab_t3<4, 4, 8, false, 544, 1>(const GemvQ4Params);
 template __global__ void lab_m<false>(const GemvQ4Params);
 template __global__ void lab_m<true>(const GemvQ4Params);
 template __global__ void lab_m2<false, 4, 16>(const GemvQ4Params);
@@ -1314,36 +1198,6 @@ int main(int argc, char** argv) {
             add_t2(lab_t2<2, 3, 5, 8, false, 544, 1>, 2, 3, 5, 8, 1, false);
             add_t2(lab_t2<4, 2, 0, 8, false, 544, 1>, 4, 2, 0, 8, 1, false);
             add_t2(lab_t2<4, 3, 0, 8, false, 544, 1>, 4, 3, 0, 8, 1, false);
-        }
-        // T3: T2 with the activations in shared memory (dynamic, 128 bytes per thread).
-        auto add_t3 = [&](auto kern, int RB, int D, int F, int MINB, bool epi) {
-            const u32 block = (kq / 32 + 31) / 32 * 32, smem = block * 128;
-            CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-            int per_sm = 0;
-            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, block, smem));
-            const u32 yb = epi ? RB / 2 : RB, batches = ((epi ? sh.n / 2 : sh.n) + yb - 1) / yb;
-            const u32 grid = std::min<u32>(batches, per_sm * sms);
-            char name[96];
-            snprintf(name, sizeof name, "T3%s RB%d D%d F%d minb%d %u thr %d/SM grid %u", epi ? "E" : "", RB, D, F,
-                     MINB, block, per_sm, grid);
-            Variant v{name, true,
-                      [=](const GemvQ4Params& p, cudaStream_t s) { kern<<<grid, block, smem, s>>>(p); }, epi};
-            vs.push_back(v);
-        };
-        if (!sh.silu && sh.k <= 8192) {
-            add_t3(lab_t3<4, 2, 1, true, 160, 3>, 4, 2, 1, 3, true);
-            add_t3(lab_t3<4, 3, 1, true, 160, 3>, 4, 3, 1, 3, true);
-            add_t3(lab_t3<4, 3, 8, true, 160, 3>, 4, 3, 8, 3, true);
-            add_t3(lab_t3<4, 4, 1, true, 160, 2>, 4, 4, 1, 2, true);
-            add_t3(lab_t3<2, 3, 1, true, 160, 3>, 2, 3, 1, 3, true);
-            add_t3(lab_t3<2, 4, 1, true, 160, 3>, 2, 4, 1, 3, true);
-        } else if (!sh.silu) {
-            add_t3(lab_t3<2, 3, 8, false, 544, 1>, 2, 3, 8, 1, false);
-            add_t3(lab_t3<2, 4, 8, false, 544, 1>, 2, 4, 8, 1, false);
-            add_t3(lab_t3<2, 5, 8, false, 544, 1>, 2, 5, 8, 1, false);
-            add_t3(lab_t3<2, 6, 8, false, 544, 1>, 2, 6, 8, 1, false);
-            add_t3(lab_t3<4, 3, 8, false, 544, 1>, 4, 3, 8, 1, false);
-            add_t3(lab_t3<4, 4, 8, false, 544, 1>, 4, 4, 8, 1, false);
         }
         const bool tail = !quick;
         // TS: split K over a cluster of S blocks (plain down and down + silu).
