@@ -309,92 +309,13 @@ __global__ void __launch_bounds__(MAXT, MINB) lab_ts(const GemvQ4Params p) {
 }
 
 // ---- candidate T2: T with deeper loads and fewer barriers ------------------------------------
-// The by-chunk kernels take the same time on an H100 and an H200 (down 23.5 / 23.3 µs,
-// 2026-12-06): bound by latency in SM cycles, not by DRAM. Two levers on that: D register sets
-// (the loads of D − 1 batches in flight while one is computed; T is D = 2), optional L2
-// prefetches PF batches ahead (one `prefetch.global.L2` per row and thread: no registers), and
-// one barrier per F batches instead of one per batch (each wave's sums go to a ring of 2F slots
-// in shared memory; after the barrier, thread j·RB + r adds row r of the phase's batch j over
-// the waves, so F·RB threads share the final sums instead of RB doing one batch's).
-template <int RB, int D, int PF, int F, bool EPI>
-__device__ __forceinline__ void t2_body(const GemvQ4Params& p) {
-    constexpr int L = RB == 1 ? 0 : RB == 2 ? 1 : RB == 4 ? 2 : RB == 8 ? 3 : 4;
-    static_assert((1 << L) == RB && D >= 2 && F >= 1, "shape");
-    __shared__ float red[2 * F][1024 / 32][RB];
-    const u32 t = threadIdx.x, lane = t % 32, wave = t / 32, waves = blockDim.x / 32;
-    const u32 chunks = p.kq / 32;
-    const bool active = t < chunks;
-    const u32 c = active ? t : 0;
-    const u32 g = c * 32 / p.group, zshift = 4 * (g % 8);
-    const u32 zstride = (p.groups + 7) / 8, wstride = p.kq / 8, sstride = p.groups;
-    const u32* wp = (const u32*)p.qweight + c * 4;
-    const u16* sp = (const u16*)p.scales + g;
-    const u32* zp = (const u32*)p.zeros + g / 8;
-    constexpr u32 YB = EPI ? RB / 2 : RB;
-    const u32 yn = EPI ? p.n / 2 : p.n, batches = (yn + YB - 1) / YB, G = gridDim.x;
-    u32 b = blockIdx.x;
-    if (b >= batches) return;
-    Q4KBatch<RB> set[D];
-#pragma unroll
-    for (int d = 0; d < D - 1; ++d)
-        if (b + d * G < batches) q4k_load<RB, EPI>(wp, sp, zp, wstride, sstride, zstride, b + d * G, p.n, set[d]);
-    if (PF > 0) {
-#pragma unroll
-        for (int d = D - 1; d < PF; ++d) {
-            if (b + d * G < batches) {
-#pragma unroll
-                for (int r = 0; r < RB; ++r)
-                    asm volatile("prefetch.global.L2 [%0];" ::"l"(wp + (u64)q4k_row<RB, EPI>(b + d * G, r, p.n) * wstride));
-            }
-        }
-    }
-    tp_pdl_wait();
-    float a[32];
-    const float sa = q4k_acts<false>(p, c, active, a);
-    u32 i = 0;  // batches done by this block
-    bool done = false;
-    while (!done) {
-#pragma unroll
-        for (int d = 0; d < D; ++d) {
-            if (!done) {
-                const u32 bl = b + (D - 1) * G;
-                if (bl < batches) q4k_load<RB, EPI>(wp, sp, zp, wstride, sstride, zstride, bl, p.n, set[(d + D - 1) % D]);
-                if (PF > 0) {
-                    const u32 bp = b + PF * G;
-                    if (bp < batches) {
-#pragma unroll
-                        for (int r = 0; r < RB; ++r)
-                            asm volatile("prefetch.global.L2 [%0];" ::"l"(wp + (u64)q4k_row<RB, EPI>(bp, r, p.n) * wstride));
-                    }
-                }
-                float v[RB];
-                q4k_dots<RB>(set[d], a, zshift, sa, v);
-                const float sum = q4k_wave_sums<RB, L>(v, lane);
-                if (lane % (32 >> L) == 0) red[i % (2 * F)][wave][lane / (32 >> L)] = sum;
-                ++i;
-                b += G;
-                const bool last = b >= batches;
-                if (last || i % F == 0) {
-                    __syncthreads();
-                    const u32 i0 = (i - 1) / F * F, cnt = i - i0;
-                    const u32 j = t / RB, r = t % RB;
-                    float s = 0.0f;
-                    if (j < cnt) {
-                        const u32 slot = (i0 + j) % (2 * F);
-                        for (u32 w = 0; w < waves; ++w) s += red[slot][w][r];
-                    }
-                    if (EPI) s = q4_silu_mul(s, tp_shfl_xor(s, YB));
-                    const u32 row = (blockIdx.x + (i0 + j) * G) * YB + r;
-                    if (j < cnt && r < YB && row < yn) ((float*)p.y)[row] = s;
-                    done = last;
-                }
-            }
-        }
-    }
-}
-template <int RB, int D, int PF, int F, bool EPI, int MAXT, int MINB>
+// The production body (gemv_q4.cu gemv_q4_k_body) under other D (register sets of batch loads:
+// D − 1 batches in flight) and F (batches per barrier), for sweeps. Tried on 2026-12-06 (H100)
+// and dropped: L2 prefetches (`prefetch.global.L2`, one per row and thread, 3–5 batches ahead
+// of the register loads): down 24.9–25.4 µs against 24.3 without, gate|up 38.0 against 37.9.
+template <int RB, int D, int F, bool EPI, int MAXT, int MINB>
 __global__ void __launch_bounds__(MAXT, MINB) lab_t2(const GemvQ4Params p) {
-    t2_body<RB, D, PF, F, EPI>(p);
+    gemv_q4_k_body<RB, false, EPI, D, F>(p);
 }
 
 // ---- candidate T3 (removed) -----------------------------------------------------------------
@@ -883,24 +804,18 @@ template __global__ void lab_ts<4, 2, false, 288, 2>(const GemvQ4Params);
 template __global__ void lab_ts<2, 4, false, 160, 4>(const GemvQ4Params);
 template __global__ void lab_ts<2, 1, false, 544, 1>(const GemvQ4Params);
 template __global__ void lab_ts<2, 2, true, 288, 2>(const GemvQ4Params);
-template __global__ void lab_t2<4, 2, 0, 1, true, 160, 1>(const GemvQ4Params);
-template __global__ void lab_t2<4, 3, 0, 1, true, 160, 1>(const GemvQ4Params);
-template __global__ void lab_t2<4, 2, 0, 8, true, 160, 1>(const GemvQ4Params);
-template __global__ void lab_t2<4, 3, 0, 8, true, 160, 1>(const GemvQ4Params);
-template __global__ void lab_t2<4, 4, 0, 8, true, 160, 1>(const GemvQ4Params);
-template __global__ void lab_t2<4, 2, 3, 8, true, 160, 1>(const GemvQ4Params);
-template __global__ void lab_t2<4, 3, 5, 8, true, 160, 1>(const GemvQ4Params);
-template __global__ void lab_t2<8, 2, 0, 8, true, 160, 1>(const GemvQ4Params);
-template __global__ void lab_t2<4, 3, 0, 8, true, 160, 3>(const GemvQ4Params);
-template __global__ void lab_t2<2, 2, 0, 1, false, 544, 1>(const GemvQ4Params);
-template __global__ void lab_t2<2, 3, 0, 1, false, 544, 1>(const GemvQ4Params);
-template __global__ void lab_t2<2, 2, 0, 8, false, 544, 1>(const GemvQ4Params);
-template __global__ void lab_t2<2, 3, 0, 8, false, 544, 1>(const GemvQ4Params);
-template __global__ void lab_t2<2, 4, 0, 8, false, 544, 1>(const GemvQ4Params);
-template __global__ void lab_t2<2, 2, 3, 8, false, 544, 1>(const GemvQ4Params);
-template __global__ void lab_t2<2, 3, 5, 8, false, 544, 1>(const GemvQ4Params);
-template __global__ void lab_t2<4, 2, 0, 8, false, 544, 1>(const GemvQ4Params);
-template __global__ void lab_t2<4, 3, 0, 8, false, 544, 1>(const GemvQ4Params);
+template __global__ void lab_t2<4, 3, 1, true, 160, 1>(const GemvQ4Params);
+template __global__ void lab_t2<4, 2, 8, true, 160, 1>(const GemvQ4Params);
+template __global__ void lab_t2<4, 3, 8, true, 160, 1>(const GemvQ4Params);
+template __global__ void lab_t2<4, 4, 8, true, 160, 1>(const GemvQ4Params);
+template __global__ void lab_t2<8, 2, 4, true, 160, 1>(const GemvQ4Params);
+template __global__ void lab_t2<4, 3, 8, true, 160, 3>(const GemvQ4Params);
+template __global__ void lab_t2<2, 3, 1, false, 544, 1>(const GemvQ4Params);
+template __global__ void lab_t2<2, 2, 8, false, 544, 1>(const GemvQ4Params);
+template __global__ void lab_t2<2, 3, 8, false, 544, 1>(const GemvQ4Params);
+template __global__ void lab_t2<2, 4, 8, false, 544, 1>(const GemvQ4Params);
+template __global__ void lab_t2<4, 2, 8, false, 544, 1>(const GemvQ4Params);
+template __global__ void lab_t2<4, 3, 8, false, 544, 1>(const GemvQ4Params);
 template __global__ void lab_m<false>(const GemvQ4Params);
 template __global__ void lab_m<true>(const GemvQ4Params);
 template __global__ void lab_m2<false, 4, 16>(const GemvQ4Params);
@@ -1163,41 +1078,34 @@ int main(int argc, char** argv) {
             add_te(lab_te<4, 160>, 4);
             add_te(lab_te<8, 160>, 8);
         }
-        // T2: deeper loads, L2 prefetches, a barrier per F batches (gate|up with the epilogue,
-        // down plain).
-        auto add_t2 = [&](auto kern, int RB, int D, int PF, int F, int MINB, bool epi) {
+        // T2: deeper loads and a barrier per F batches (gate|up with the epilogue, down plain).
+        auto add_t2 = [&](auto kern, int RB, int D, int F, int MINB, bool epi) {
             const u32 block = (kq / 32 + 31) / 32 * 32;
             int per_sm = 0;
             CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, block, 0));
             const u32 yb = epi ? RB / 2 : RB, batches = ((epi ? sh.n / 2 : sh.n) + yb - 1) / yb;
             const u32 grid = std::min<u32>(batches, per_sm * sms);
             char name[96];
-            snprintf(name, sizeof name, "T2%s RB%d D%d PF%d F%d minb%d %u thr %d/SM grid %u", epi ? "E" : "", RB, D,
-                     PF, F, MINB, block, per_sm, grid);
+            snprintf(name, sizeof name, "T2%s RB%d D%d F%d minb%d %u thr %d/SM grid %u", epi ? "E" : "", RB, D, F,
+                     MINB, block, per_sm, grid);
             Variant v{name, true, [=](const GemvQ4Params& p, cudaStream_t s) { kern<<<grid, block, 0, s>>>(p); },
                       epi};
             vs.push_back(v);
         };
         if (!sh.silu && sh.k <= 8192) {
-            add_t2(lab_t2<4, 2, 0, 1, true, 160, 1>, 4, 2, 0, 1, 1, true);
-            add_t2(lab_t2<4, 3, 0, 1, true, 160, 1>, 4, 3, 0, 1, 1, true);
-            add_t2(lab_t2<4, 2, 0, 8, true, 160, 1>, 4, 2, 0, 8, 1, true);
-            add_t2(lab_t2<4, 3, 0, 8, true, 160, 1>, 4, 3, 0, 8, 1, true);
-            add_t2(lab_t2<4, 4, 0, 8, true, 160, 1>, 4, 4, 0, 8, 1, true);
-            add_t2(lab_t2<4, 2, 3, 8, true, 160, 1>, 4, 2, 3, 8, 1, true);
-            add_t2(lab_t2<4, 3, 5, 8, true, 160, 1>, 4, 3, 5, 8, 1, true);
-            add_t2(lab_t2<8, 2, 0, 8, true, 160, 1>, 8, 2, 0, 8, 1, true);
-            add_t2(lab_t2<4, 3, 0, 8, true, 160, 3>, 4, 3, 0, 8, 3, true);
+            add_t2(lab_t2<4, 3, 1, true, 160, 1>, 4, 3, 1, 1, true);
+            add_t2(lab_t2<4, 2, 8, true, 160, 1>, 4, 2, 8, 1, true);
+            add_t2(lab_t2<4, 3, 8, true, 160, 1>, 4, 3, 8, 1, true);
+            add_t2(lab_t2<4, 4, 8, true, 160, 1>, 4, 4, 8, 1, true);
+            add_t2(lab_t2<8, 2, 4, true, 160, 1>, 8, 2, 4, 1, true);
+            add_t2(lab_t2<4, 3, 8, true, 160, 3>, 4, 3, 8, 3, true);
         } else if (!sh.silu) {
-            add_t2(lab_t2<2, 2, 0, 1, false, 544, 1>, 2, 2, 0, 1, 1, false);
-            add_t2(lab_t2<2, 3, 0, 1, false, 544, 1>, 2, 3, 0, 1, 1, false);
-            add_t2(lab_t2<2, 2, 0, 8, false, 544, 1>, 2, 2, 0, 8, 1, false);
-            add_t2(lab_t2<2, 3, 0, 8, false, 544, 1>, 2, 3, 0, 8, 1, false);
-            add_t2(lab_t2<2, 4, 0, 8, false, 544, 1>, 2, 4, 0, 8, 1, false);
-            add_t2(lab_t2<2, 2, 3, 8, false, 544, 1>, 2, 2, 3, 8, 1, false);
-            add_t2(lab_t2<2, 3, 5, 8, false, 544, 1>, 2, 3, 5, 8, 1, false);
-            add_t2(lab_t2<4, 2, 0, 8, false, 544, 1>, 4, 2, 0, 8, 1, false);
-            add_t2(lab_t2<4, 3, 0, 8, false, 544, 1>, 4, 3, 0, 8, 1, false);
+            add_t2(lab_t2<2, 3, 1, false, 544, 1>, 2, 3, 1, 1, false);
+            add_t2(lab_t2<2, 2, 8, false, 544, 1>, 2, 2, 8, 1, false);
+            add_t2(lab_t2<2, 3, 8, false, 544, 1>, 2, 3, 8, 1, false);
+            add_t2(lab_t2<2, 4, 8, false, 544, 1>, 2, 4, 8, 1, false);
+            add_t2(lab_t2<4, 2, 8, false, 544, 1>, 4, 2, 8, 1, false);
+            add_t2(lab_t2<4, 3, 8, false, 544, 1>, 4, 3, 8, 1, false);
         }
         const bool tail = !quick;
         // TS: split K over a cluster of S blocks (plain down and down + silu).
