@@ -317,6 +317,14 @@ template <int RB, int D, int F, bool EPI, int MAXT, int MINB>
 __global__ void __launch_bounds__(MAXT, MINB) lab_t2(const GemvQ4Params p) {
     gemv_q4_k_body<RB, false, EPI, D, F>(p);
 }
+// The T2 variants run, as X(RB, D, F, EPI, MAXT, MINB): one list for the NVRTC
+// instantiations below and the host's launches.
+#define LAB_T2_GATE_UP(X) \
+    X(4, 3, 1, true, 160, 1) X(4, 2, 8, true, 160, 1) X(4, 3, 8, true, 160, 1) \
+    X(4, 4, 8, true, 160, 1) X(8, 2, 4, true, 160, 1) X(4, 3, 8, true, 160, 3)
+#define LAB_T2_DOWN(X) \
+    X(2, 3, 1, false, 544, 1) X(2, 2, 8, false, 544, 1) X(2, 3, 8, false, 544, 1) \
+    X(2, 4, 8, false, 544, 1) X(4, 2, 8, false, 544, 1) X(4, 3, 8, false, 544, 1)
 
 // ---- candidate T3 (removed) -----------------------------------------------------------------
 // T2 with each thread's activations in shared memory (read back per batch, two quads per word)
@@ -804,18 +812,9 @@ template __global__ void lab_ts<4, 2, false, 288, 2>(const GemvQ4Params);
 template __global__ void lab_ts<2, 4, false, 160, 4>(const GemvQ4Params);
 template __global__ void lab_ts<2, 1, false, 544, 1>(const GemvQ4Params);
 template __global__ void lab_ts<2, 2, true, 288, 2>(const GemvQ4Params);
-template __global__ void lab_t2<4, 3, 1, true, 160, 1>(const GemvQ4Params);
-template __global__ void lab_t2<4, 2, 8, true, 160, 1>(const GemvQ4Params);
-template __global__ void lab_t2<4, 3, 8, true, 160, 1>(const GemvQ4Params);
-template __global__ void lab_t2<4, 4, 8, true, 160, 1>(const GemvQ4Params);
-template __global__ void lab_t2<8, 2, 4, true, 160, 1>(const GemvQ4Params);
-template __global__ void lab_t2<4, 3, 8, true, 160, 3>(const GemvQ4Params);
-template __global__ void lab_t2<2, 3, 1, false, 544, 1>(const GemvQ4Params);
-template __global__ void lab_t2<2, 2, 8, false, 544, 1>(const GemvQ4Params);
-template __global__ void lab_t2<2, 3, 8, false, 544, 1>(const GemvQ4Params);
-template __global__ void lab_t2<2, 4, 8, false, 544, 1>(const GemvQ4Params);
-template __global__ void lab_t2<4, 2, 8, false, 544, 1>(const GemvQ4Params);
-template __global__ void lab_t2<4, 3, 8, false, 544, 1>(const GemvQ4Params);
+#define LAB_T2_INST(RB, D, F, EPI, MAXT, MINB) template __global__ void lab_t2<RB, D, F, EPI, MAXT, MINB>(const GemvQ4Params);
+LAB_T2_GATE_UP(LAB_T2_INST)
+LAB_T2_DOWN(LAB_T2_INST)
 template __global__ void lab_m<false>(const GemvQ4Params);
 template __global__ void lab_m<true>(const GemvQ4Params);
 template __global__ void lab_m2<false, 4, 16>(const GemvQ4Params);
@@ -1092,20 +1091,11 @@ int main(int argc, char** argv) {
                       epi};
             vs.push_back(v);
         };
+#define LAB_T2_ADD(RB, D, F, EPI, MAXT, MINB) add_t2(lab_t2<RB, D, F, EPI, MAXT, MINB>, RB, D, F, MINB, EPI);
         if (!sh.silu && sh.k <= 8192) {
-            add_t2(lab_t2<4, 3, 1, true, 160, 1>, 4, 3, 1, 1, true);
-            add_t2(lab_t2<4, 2, 8, true, 160, 1>, 4, 2, 8, 1, true);
-            add_t2(lab_t2<4, 3, 8, true, 160, 1>, 4, 3, 8, 1, true);
-            add_t2(lab_t2<4, 4, 8, true, 160, 1>, 4, 4, 8, 1, true);
-            add_t2(lab_t2<8, 2, 4, true, 160, 1>, 8, 2, 4, 1, true);
-            add_t2(lab_t2<4, 3, 8, true, 160, 3>, 4, 3, 8, 3, true);
+            LAB_T2_GATE_UP(LAB_T2_ADD)
         } else if (!sh.silu) {
-            add_t2(lab_t2<2, 3, 1, false, 544, 1>, 2, 3, 1, 1, false);
-            add_t2(lab_t2<2, 2, 8, false, 544, 1>, 2, 2, 8, 1, false);
-            add_t2(lab_t2<2, 3, 8, false, 544, 1>, 2, 3, 8, 1, false);
-            add_t2(lab_t2<2, 4, 8, false, 544, 1>, 2, 4, 8, 1, false);
-            add_t2(lab_t2<4, 2, 8, false, 544, 1>, 4, 2, 8, 1, false);
-            add_t2(lab_t2<4, 3, 8, false, 544, 1>, 4, 3, 8, 1, false);
+            LAB_T2_DOWN(LAB_T2_ADD)
         }
         const bool tail = !quick;
         // TS: split K over a cluster of S blocks (plain down and down + silu).
