@@ -12,7 +12,7 @@
 # fixtures, dense and GPTQ, 1 and 4 ranks, graph and eager) with the first binary (--selftest:
 # the selftest alone). Last, one profiled run of the first binary (eager, each op between
 # events): µs per token by op.
-# GEMV_ONLY=1: the checks and the bench only (no synth, no decode). Results in $OUT (or ./out).
+# GEMV_ONLY=1: the checks and the bench only (no synth, no decode); NO_PROFILE=1: no profile. Results in $OUT (or ./out).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 check=0
@@ -75,7 +75,7 @@ echo "== decode 27b GPTQ, TP=1, graph + PDL, 128 tokens; bins: ${bins[*]}"
 for r in $(seq "${ROUNDS:-2}"); do
     for i in "${!bins[@]}"; do run "$i" "r$r"; done
 done
-echo "== profile (eager + events) of bin 0: us per token by op"
+[ "${NO_PROFILE:-0}" = 1 ] || { echo "== profile (eager + events) of bin 0: us per token by op"
 "${bins[0]}" --backend cuda --ranks 1 --devices 0 --timeout 120 decode --model $m --profile \
     --prompt "Once upon a time, in a land far away" --temperature 0 --max-new-tokens 64 --ignore-eos --json \
     > "$out/profile.json" 2> "$out/profile.err" || fail profile
@@ -89,6 +89,7 @@ print(f"  total {tot:.1f} us/token profiled; {j['decode_tokens_per_s']:.1f} tok/
 for e in p[:14]:
     print(f"  {e['us_per_token']:8.1f} us/token {e['us_per_token'] / tot * 100:5.1f} %  {e['calls'] / steps:6.1f} calls/token  {e['op']}")
 PY
+}
 python3 - "$out" "${#bins[@]}" <<'PY' || fail "tokens differ between binaries"
 import json, os, sys
 o, n = sys.argv[1], int(sys.argv[2])

@@ -261,15 +261,15 @@ __global__ void __launch_bounds__(MAXT, MINB) lab_ts(const GemvQ4Params p) {
     Q4KBatch<RB> A, B;
     u32 b = cl;
     if (b < batches) q4k_load<RB, false>(wp, sp, zp, wstride, sstride, zstride, b, p.n, A);
-    float a[32];
-    const float sa_used = q4k_acts<SILU>(p, c, active, a);
+    Q4KActs acts;
+    q4k_acts<SILU>(p, c, active, acts);
     u32 lb = 0;
     auto step = [&](Q4KBatch<RB>& cur, Q4KBatch<RB>& nxt) -> bool {
         const u32 b2 = b + ncl;
         const bool more = b2 < batches;
         if (more) q4k_load<RB, false>(wp, sp, zp, wstride, sstride, zstride, b2, p.n, nxt);
         float v[RB];
-        q4k_dots<RB>(cur, a, zshift, sa_used, v);
+        q4k_dots<RB>(cur, acts, zshift, v);
         const float sum = q4k_wave_sums<RB, L>(v, lane);
         if (lane % (32 >> L) == 0) part[wave][lb][lane / (32 >> L)] = sum;
         ++lb;
@@ -319,12 +319,94 @@ __global__ void __launch_bounds__(MAXT, MINB) lab_t2(const GemvQ4Params p) {
 }
 // The T2 variants run, as X(RB, D, F, EPI, MAXT, MINB): one list for the NVRTC
 // instantiations below and the host's launches.
-#define LAB_T2_GATE_UP(X) \
-    X(4, 3, 1, true, 160, 1) X(4, 2, 8, true, 160, 1) X(4, 3, 8, true, 160, 1) \
-    X(4, 4, 8, true, 160, 1) X(8, 2, 4, true, 160, 1) X(4, 3, 8, true, 160, 3)
-#define LAB_T2_DOWN(X) \
-    X(2, 3, 1, false, 544, 1) X(2, 2, 8, false, 544, 1) X(2, 3, 8, false, 544, 1) \
-    X(2, 4, 8, false, 544, 1) X(4, 2, 8, false, 544, 1) X(4, 3, 8, false, 544, 1)
+// The production body under other RB, D and F. Swept on 2026-12-06 with the dp4a dot (H100,
+// µs; TF, the f32 form, in the same run: 36.0 gate|up, 23.2 down): gate|up RB 4 D 2 F 1 35.6
+// (production: 35.2 as TE), RB 8 D 2 F 1 / F 4 35.4, RB 4 D 3 38.0; down RB 2 D 3 F 8 22.9
+// (production), D 2 23.7, D 4 22.6, RB 4 D 2 22.8. Within noise of production: none taken.
+#define LAB_T2_GATE_UP(X) X(4, 2, 1, true, 160, 3) X(8, 2, 1, true, 160, 2) X(8, 2, 4, true, 160, 2) X(4, 3, 1, true, 160, 2)
+#define LAB_T2_DOWN(X) X(2, 3, 8, false, 544, 1) X(2, 2, 8, false, 544, 1) X(4, 2, 8, false, 544, 1) X(2, 4, 8, false, 544, 1)
+
+
+// ---- baseline TF: the float form production had until 2026-12-06 ---------------------------
+// Each thread's 32 activations as f32 (pre-scaled for the subnormal reading of nibbles), per
+// word a mask and an FFMA per nibble (2.1 instructions per weight), z applied as z · Σ a. The
+// production `_k` body now multiplies exact byte limbs of x with dp4a (gemv_q4.cu q4k_dots).
+template <bool SILU>
+TP_DEV float tf_acts(const GemvQ4Params& p, u32 c, bool active, float (&a)[32]) {
+    const float sa = q4_act<4, SILU>((const float*)p.x, p.k, (const u32*)p.perm, c * 32, a);
+    if (!active) {
+#pragma unroll
+        for (int e = 0; e < 32; ++e) a[e] = 0.0f;
+    }
+    return active ? sa : 0.0f;
+}
+template <int RB>
+TP_DEV void tf_dots(const Q4KBatch<RB>& cur, const float (&a)[32], u32 zshift, float sa, float (&v)[RB]) {
+#pragma unroll
+    for (int r = 0; r < RB; ++r) {
+        const float d = q4_dot<4>(cur.w[r], a);
+        const float z = (float)((cur.z[r] >> zshift) & 0xfu);
+        v[r] = q4_scale(cur.s[r]) * fmaf(-z, sa, d);
+    }
+}
+template <int RB, int D, int F, bool EPI, int MAXT, int MINB>
+__global__ void __launch_bounds__(MAXT, MINB) lab_tf(const GemvQ4Params p) {
+    constexpr int L = RB == 1 ? 0 : RB == 2 ? 1 : RB == 4 ? 2 : 3;
+    __shared__ float red[2 * F][1024 / 32][RB];
+    const u32 t = threadIdx.x, lane = t % 32, wave = t / 32, waves = blockDim.x / 32;
+    const u32 chunks = p.kq / 32;
+    const bool active = t < chunks;
+    const u32 c = active ? t : 0;
+    const u32 g = c * 32 / p.group, zshift = 4 * (g % 8);
+    const u32 zstride = (p.groups + 7) / 8, wstride = p.kq / 8, sstride = p.groups;
+    const u32* wp = (const u32*)p.qweight + c * 4;
+    const u16* sp = (const u16*)p.scales + g;
+    const u32* zp = (const u32*)p.zeros + g / 8;
+    constexpr u32 YB = EPI ? RB / 2 : RB;
+    const u32 yn = EPI ? p.n / 2 : p.n;
+    const u32 batches = (yn + YB - 1) / YB, G = gridDim.x;
+    u32 b = blockIdx.x;
+    if (b >= batches) return;
+    Q4KBatch<RB> set[D];
+#pragma unroll
+    for (int d = 0; d < D - 1; ++d)
+        if (b + d * G < batches) q4k_load<RB, EPI>(wp, sp, zp, wstride, sstride, zstride, b + d * G, p.n, set[d]);
+    float a[32];
+    const float sa = tf_acts<false>(p, c, active, a);
+    u32 i = 0;
+    bool done = false;
+    while (!done) {
+#pragma unroll
+        for (int d = 0; d < D; ++d) {
+            if (!done) {
+                const u32 ahead = b + (D - 1) * G;
+                if (ahead < batches)
+                    q4k_load<RB, EPI>(wp, sp, zp, wstride, sstride, zstride, ahead, p.n, set[(d + D - 1) % D]);
+                float v[RB];
+                tf_dots<RB>(set[d], a, zshift, sa, v);
+                const float sum = q4k_wave_sums<RB, L>(v, lane);
+                if (lane % (32 >> L) == 0) red[i % (2 * F)][wave][lane / (32 >> L)] = sum;
+                ++i;
+                b += G;
+                done = b >= batches;
+                if (done || i % F == 0) {
+                    __syncthreads();
+                    if (wave == 0) {
+                        const u32 i0 = (i - 1) / F * F, j = lane / RB, r = lane % RB;
+                        float s = 0.0f;
+                        if (i0 + j < i)
+                            for (u32 w = 0; w < waves; ++w) s += red[(i0 + j) % (2 * F)][w][r];
+                        if (EPI) s = q4_silu_mul(s, __shfl_xor_sync(0xffffffffu, s, YB));
+                        const u32 row = (blockIdx.x + (i0 + j) * G) * YB + r;
+                        if (i0 + j < i && r < YB && row < yn) ((float*)p.y)[row] = s;
+                    }
+                }
+            }
+        }
+    }
+}
+#define LAB_TF_GATE_UP(X) X(4, 2, 1, true, 160, 3)
+#define LAB_TF_DOWN(X) X(2, 3, 8, false, 544, 1)
 
 // ---- candidate T3 (removed) -----------------------------------------------------------------
 // T2 with each thread's activations in shared memory (read back per batch, two quads per word)
@@ -809,12 +891,13 @@ template __global__ void lab_te<4, 160>(const GemvQ4Params);
 template __global__ void lab_te<8, 160>(const GemvQ4Params);
 template __global__ void lab_ts<2, 2, false, 288, 2>(const GemvQ4Params);
 template __global__ void lab_ts<4, 2, false, 288, 2>(const GemvQ4Params);
-template __global__ void lab_ts<2, 4, false, 160, 4>(const GemvQ4Params);
-template __global__ void lab_ts<2, 1, false, 544, 1>(const GemvQ4Params);
 template __global__ void lab_ts<2, 2, true, 288, 2>(const GemvQ4Params);
 #define LAB_T2_INST(RB, D, F, EPI, MAXT, MINB) template __global__ void lab_t2<RB, D, F, EPI, MAXT, MINB>(const GemvQ4Params);
 LAB_T2_GATE_UP(LAB_T2_INST)
 LAB_T2_DOWN(LAB_T2_INST)
+#define LAB_TF_INST(RB, D, F, EPI, MAXT, MINB) template __global__ void lab_tf<RB, D, F, EPI, MAXT, MINB>(const GemvQ4Params);
+LAB_TF_GATE_UP(LAB_TF_INST)
+LAB_TF_DOWN(LAB_TF_INST)
 template __global__ void lab_m<false>(const GemvQ4Params);
 template __global__ void lab_m<true>(const GemvQ4Params);
 template __global__ void lab_m2<false, 4, 16>(const GemvQ4Params);
@@ -1097,6 +1180,26 @@ int main(int argc, char** argv) {
         } else if (!sh.silu) {
             LAB_T2_DOWN(LAB_T2_ADD)
         }
+        // TF: the float form (the production body before dp4a).
+        auto add_tf = [&](auto kern, int RB, int D, int F, int MINB, bool epi) {
+            const u32 block = (kq / 32 + 31) / 32 * 32;
+            int per_sm = 0;
+            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, block, 0));
+            const u32 yb = epi ? RB / 2 : RB, batches = ((epi ? sh.n / 2 : sh.n) + yb - 1) / yb;
+            const u32 grid = std::min<u32>(batches, per_sm * sms);
+            char name[96];
+            snprintf(name, sizeof name, "TF%s RB%d D%d F%d minb%d %u thr %d/SM grid %u", epi ? "E" : "", RB, D, F,
+                     MINB, block, per_sm, grid);
+            Variant v{name, true, [=](const GemvQ4Params& p, cudaStream_t s) { kern<<<grid, block, 0, s>>>(p); },
+                      epi};
+            vs.push_back(v);
+        };
+#define LAB_TF_ADD(RB, D, F, EPI, MAXT, MINB) add_tf(lab_tf<RB, D, F, EPI, MAXT, MINB>, RB, D, F, MINB, EPI);
+        if (!sh.silu && sh.k <= 8192) {
+            LAB_TF_GATE_UP(LAB_TF_ADD)
+        } else if (!sh.silu) {
+            LAB_TF_DOWN(LAB_TF_ADD)
+        }
         const bool tail = !quick;
         // TS: split K over a cluster of S blocks (plain down and down + silu).
         auto add_ts = [&](auto kern, int RB, int S, int maxt) {
@@ -1128,8 +1231,6 @@ int main(int argc, char** argv) {
         if (sh.k > 8192 && !sh.silu) {
             add_ts(lab_ts<2, 2, false, 288, 2>, 2, 2, 288);
             add_ts(lab_ts<4, 2, false, 288, 2>, 4, 2, 288);
-            add_ts(lab_ts<2, 4, false, 160, 4>, 2, 4, 160);
-            add_ts(lab_ts<2, 1, false, 544, 1>, 2, 1, 544);
         } else if (sh.silu) {
             add_ts(lab_ts<2, 2, true, 288, 2>, 2, 2, 288);
         }

@@ -410,8 +410,9 @@ TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
 // prologue, an exp per activation: ~4.7 issued instructions per weight in ptxas's SASS) and
 // were issue-bound at 1.5 TB/s (gate|up) and 0.96 TB/s (down + silu) on an H200. Here a block
 // of ceil(kq / 32) threads covers every stored input once: thread c holds chunk c's 32
-// activations (f(x), through perm when given, pre-scaled) and their sum in registers for the
-// whole kernel, and its group, scale and zero offsets are fixed; only row pointers move. The
+// activations (f(x), through perm when given) in registers for the whole kernel, as exact
+// signed-byte limbs for dp4a (q4k_acts, q4k_dots), and its group, scale and zero offsets are
+// fixed; only row pointers move. The
 // block walks batches of RB rows (b, b + gridDim.x, ...: a persistent grid, sized by the
 // launcher from the occupancy), per row one 16-byte weight load, one scale and one zero word
 // per thread, the loads of the next D − 1 batches issued before the current batch is computed
@@ -419,8 +420,11 @@ TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
 // sums with a transposed butterfly (log2 RB exchanges of half the values, then plain xor
 // steps: lane group r ends with row r), the waves' sums meet in shared memory, and after one
 // barrier per F batches lanes of wave 0 add them in wave order (deterministic) and write y.
-// ~3.3 instructions per weight. H200, 27B MLP shapes at group 128 (scripts/device/q4lab.cu,
-// 2026-12-03): gate|up [34816, 5120] 2.61 TB/s with RB = 4 (160 threads, 3 blocks per SM),
+// Until 2026-12-06 the dot was f32 (a mask and an FFMA per nibble, ~3.3 instructions per
+// weight in all); the dp4a form issues ~1 per weight for the dot and measured 1.7 % (gate|up)
+// and 1.9 % (down) faster in production on an H100 (34.8 → 34.2 µs, 21.1 → 20.7 µs), exact to
+// f32's rounding (the lab's f64 check: 1.5e-7 against 1.7e-7). H200, 27B MLP shapes at group
+// 128, f32 form (scripts/device/q4lab.cu, 2026-12-03): gate|up [34816, 5120] 2.61 TB/s with RB = 4 (160 threads, 3 blocks per SM),
 // down + silu [5120, 17408] 1.79 TB/s with RB = 2 (544 threads, 1 block per SM: the
 // registers cap it), against 4.4 TB/s for a plain read. Integer tensor cores (weights as u8,
 // x as four exact signed bytes per 128-input slice, m16n8k32) reach ~1.8 instructions per
@@ -467,26 +471,93 @@ TP_DEV void q4k_load(const u32* wp, const u16* sp, const u32* zp, u32 wstride, u
     }
 }
 
-// Chunk c's 32 activations (f(x), pre-scaled) into `a` and their sum; zeros for an idle
-// thread, which then weighs chunk 0 by nothing.
+// Chunk c's 32 activations f(x) as exact integers in three signed-byte limbs, for dp4a.
+// X_j = rint(a_j · 2^e) with e per thread, the power of two that brings the chunk's largest
+// below 2^22 (exact scaling; the rounding costs at most 2^-23 of the largest, f32's own
+// precision), and X = 2^16 h + 2^8 m + l with l, m in [−128, 127] and h in [−64, 64]. The
+// limbs are packed four to a register in the order of a weight word's nibbles: word i's
+// even nibbles (inputs 8i, 8i + 2, 8i + 4, 8i + 6) and its odd ones. A non-finite activation
+// makes the thread's sums NaN.
+struct Q4KActs {
+    u32 e[3][4], o[3][4];  // [limb: h, m, l][word]
+    u32 sum;               // Σ_j X_j (|Σ| < 2^27)
+    float unscale;         // 2^-e, or NaN
+};
+
 template <bool SILU>
-TP_DEV float q4k_acts(const GemvQ4Params& p, u32 c, bool active, float (&a)[32]) {
-    const float sa = q4_act<4, SILU>((const float*)p.x, p.k, (const u32*)p.perm, c * 32, a);
-    if (!active) {
+TP_DEV void q4k_acts(const GemvQ4Params& p, u32 c, bool active, Q4KActs& t) {
+    float a[32];
+    (void)q4_act<4, SILU>((const float*)p.x, p.k, (const u32*)p.perm, c * 32, a);
+    float mx = 0.0f;
+    bool finite = true;
 #pragma unroll
-        for (int e = 0; e < 32; ++e) a[e] = 0.0f;
+    for (int j = 0; j < 32; ++j) {
+        a[j] = active ? a[j] * (1.0f / TP_Q4_XSCALE) : 0.0f;  // exact: a power of two
+        finite = finite && fabsf(a[j]) <= 3.402823466e38f;
+        mx = fmaxf(mx, fabsf(a[j]));
     }
-    return active ? sa : 0.0f;
+    // mx < 2^(x − 126) for its biased exponent x, so a · 2^(148 − x) < 2^22; clamped to keep
+    // the factor a normal float (a chunk below 2^-104 keeps 2^-126 steps: nothing in decode).
+    const int x = (int)((tp_f32_bits(mx) >> 23) & 0xffu);
+    const int k = min(max(148 - x, -126), 126);
+    const float f = tp_f32_from_bits((u32)(127 + k) << 23);
+    t.unscale = finite ? tp_f32_from_bits((u32)(127 - k) << 23) : __int_as_float(0x7fc00000);
+    u32 sum = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int L = 0; L < 3; ++L) t.e[L][i] = t.o[L][i] = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int X = finite ? (int)rintf(a[8 * i + j] * f) : 0;
+            const int l = (int)((u32)X << 24) >> 24, r = (X - l) >> 8;
+            const int m = (int)((u32)r << 24) >> 24, h = (r - m) >> 8;
+            sum += (u32)X;
+            const u32 sh = 8 * (j / 2);
+            u32(&dst)[3][4] = j % 2 == 0 ? t.e : t.o;
+            dst[0][i] |= ((u32)h & 0xffu) << sh;
+            dst[1][i] |= ((u32)m & 0xffu) << sh;
+            dst[2][i] |= ((u32)l & 0xffu) << sh;
+        }
+    }
+    t.sum = sum;
 }
 
-// This thread's partial sum of each row of a batch: s · (Σ a q − z · Σ a) over its chunk.
+// A weight word's odd nibbles for dp4a: on CUDA read in place (w & 0xf0f0f0f0, bytes 16 q,
+// unsigned: dp4a.u32.s32), so their sums are 16 times theirs; on HIP, whose dot4 reads both
+// operands as signed, shifted down first (one more instruction per word).
+#if defined(TP_CUDA)
+#define TP_Q4K_ODD_SHIFT 4
+#else
+#define TP_Q4K_ODD_SHIFT 0
+#endif
+
+// This thread's partial sum of each row of a batch: s · Σ (q − z) · a over its chunk. Per
+// word two masks and six dp4a (one per limb and nibble parity; on CUDA ~1 instruction per
+// weight, against 2.1 for a mask and an FFMA per nibble). Per row the limbs' sums (each below
+// 2^20 in magnitude) meet as Σ (q − z) X in u32: intermediate wrap-around cancels, since the
+// result's magnitude is below 32 · 15 · 2^22 < 2^31. One rounding to f32 after that.
 template <int RB>
-TP_DEV void q4k_dots(const Q4KBatch<RB>& cur, const float (&a)[32], u32 zshift, float sa, float (&v)[RB]) {
+TP_DEV void q4k_dots(const Q4KBatch<RB>& cur, const Q4KActs& t, u32 zshift, float (&v)[RB]) {
+    constexpr int S = TP_Q4K_ODD_SHIFT;
 #pragma unroll
     for (int r = 0; r < RB; ++r) {
-        const float d = q4_dot<4>(cur.w[r], a);
-        const float z = (float)((cur.z[r] >> zshift) & 0xfu);
-        v[r] = q4_scale(cur.s[r]) * fmaf(-z, sa, d);
+        int ae[3] = {0, 0, 0}, ao[3] = {0, 0, 0};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const u32 w = cur.w[r].w[i];
+            const u32 we = w & 0x0f0f0f0fu, wo = S ? w & 0xf0f0f0f0u : (w >> 4) & 0x0f0f0f0fu;
+#pragma unroll
+            for (int L = 0; L < 3; ++L) {
+                ae[L] = tp_dot4_u8s8(we, t.e[L][i], ae[L]);
+                ao[L] = tp_dot4_u8s8(wo, t.o[L][i], ao[L]);
+            }
+        }
+        const u32 z = (cur.z[r] >> zshift) & 0xfu;
+        // Σ q X = Σ_limbs 2^(16, 8, 0) · (even + odd / 2^S); the odd sums are multiples of 2^S.
+        const u32 d = ((u32)ae[0] << 16) + ((u32)ae[1] << 8) + (u32)ae[2] + ((u32)ao[0] << (16 - S)) +
+                      ((u32)ao[1] << (8 - S)) + (u32)(ao[2] >> S) - z * t.sum;
+        v[r] = q4_scale(cur.s[r]) * ((float)(int)d * t.unscale);
     }
 }
 
@@ -550,8 +621,8 @@ TP_DEV void gemv_q4_k_body(const GemvQ4Params& p) {
             q4k_load<RB, EPI>(wp, sp, zp, wstride, sstride, zstride, b + d * G, p.n, set[d]);
     }
     tp_pdl_wait();
-    float a[32];
-    const float sa_used = q4k_acts<SILU>(p, c, active, a);
+    Q4KActs acts;
+    q4k_acts<SILU>(p, c, active, acts);
     u32 i = 0;  // batches this block has computed
     bool done = false;
     while (!done) {
@@ -563,7 +634,7 @@ TP_DEV void gemv_q4_k_body(const GemvQ4Params& p) {
                 if (ahead < batches)
                     q4k_load<RB, EPI>(wp, sp, zp, wstride, sstride, zstride, ahead, p.n, set[(d + D - 1) % D]);
                 float v[RB];
-                q4k_dots<RB>(set[d], a, zshift, sa_used, v);
+                q4k_dots<RB>(set[d], acts, zshift, v);
                 const float sum = q4k_wave_sums<RB, L>(v, lane);
                 if (lane % (TP_WAVE >> L) == 0) red[i % (2 * F)][wave][lane / (TP_WAVE >> L)] = sum;
                 ++i;

@@ -71,6 +71,19 @@ TP_DEV float tp_wave_sum(float v) {
 TP_DEV float tp_f32_from_bits(u32 b) { return __uint_as_float(b); }
 TP_DEV u32 tp_f32_bits(float f) { return __float_as_uint(f); }
 
+// acc + Σ_i a_i · b_i over the four bytes of a (unsigned) and b (signed), wrapping as two's
+// complement: dp4a.u32.s32 on NVIDIA (sm_61+); v_dot4_i32_i8 on gfx906 / gfx90a, which reads
+// a's bytes as signed too, so there they must be below 128.
+TP_DEV int tp_dot4_u8s8(u32 a, u32 b, int acc) {
+#if defined(TP_HIP)
+    return __builtin_amdgcn_sdot4((int)a, (int)b, acc, false);
+#else
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(acc));
+    return d;
+#endif
+}
+
 // f16 (IEEE binary16) -> f32: exact. On CUDA the hardware conversion (one instruction,
 // exact for every finite value and infinity) takes everything but NaN, whose payload the
 // software path below keeps the way the CPU twin does.
