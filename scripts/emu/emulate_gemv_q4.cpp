@@ -1,7 +1,8 @@
 // Runs gemv_q4.cu's kernels on the CPU (portable.h stand-in beside this file) over random
 // int4 layers in the layout of kernels/src/int4.rs and compares y with an f64 reference:
-// group sizes 32/64/128/k, with and without perm (desc_act), both prologues, decode and
-// prefill, the 16-byte and the word path. Exit 1 on any mismatch.
+// group sizes 32/64/128/k, with and without perm (desc_act), both prologues and the
+// epilogue, decode (the row-group and the by-chunk `_k` kernels) and prefill, the 16-byte and
+// the word path. Exit 1 on any mismatch.
 #include <algorithm>
 #include <cstdio>
 #include <random>
@@ -14,7 +15,32 @@ static std::mt19937_64 rng(7);
 struct Case {
     u32 m, k, n, group;
     bool perm, silu;
+    bool epi = false;  // the SiluMul epilogue: y[j] = silu(row j) · row (j + n/2), j < n/2
+    bool chunks = false;  // the by-chunk kernels (`_k`, `_kb`), m = 1
 };
+
+// Runs `kern` over a grid of `grid` blocks of `block` threads, one block at a time.
+static void launch(void (*kern)(const GemvQ4Params), const GemvQ4Params& p, EmuDim grid, u32 block) {
+    blockDim = {block, 1, 1};
+    gridDim = grid;
+    std::vector<std::barrier<>*> waves;
+    for (u32 w = 0; w < block / TP_WAVE; ++w) waves.push_back(new std::barrier<>(TP_WAVE));
+    std::barrier<> all((std::ptrdiff_t)block);
+    emu_waves = waves;
+    emu_block = &all;
+    for (u32 by = 0; by < grid.y; ++by)
+        for (u32 bx = 0; bx < grid.x; ++bx) {
+            std::vector<std::thread> threads;
+            for (u32 l = 0; l < block; ++l)
+                threads.emplace_back([&, l] {
+                    threadIdx = {l, 0, 0};
+                    blockIdx = {bx, by, 0};
+                    kern(p);
+                });
+            for (auto& t : threads) t.join();
+        }
+    for (auto* w : waves) delete w;
+}
 
 static int run(const Case& c, bool vec) {
     const u32 kq = c.k, groups = kq / c.group, zw = (groups + 7) / 8;
@@ -36,46 +62,50 @@ static int run(const Case& c, bool vec) {
                    c.perm ? (u64)perm.data() : 0, (u64)y.data(), c.m, c.k, c.n, kq, c.group,
                    groups, vec ? 1u : 0u, 0};
     const bool tile = c.m > 1;
-    void (*kern)(const GemvQ4Params) =
-        tile ? (c.silu ? gemm_q4_silu : gemm_q4) : (c.silu ? gemv_q4_silu : gemv_q4);
-    // Few blocks, so that the grid-stride loops run; one wave per block.
-    blockDim = {TP_WAVE, 1, 1};
-    gridDim = {3, 2, 1};
-    std::barrier<> wave(TP_WAVE);
-    emu_wave = &wave;
-    for (u32 by = 0; by < gridDim.y; ++by)
-        for (u32 bx = 0; bx < gridDim.x; ++bx) {
-            std::vector<std::thread> lanes;
-            for (u32 l = 0; l < TP_WAVE; ++l)
-                lanes.emplace_back([&, l] {
-                    threadIdx = {l, 0, 0};
-                    blockIdx = {bx, by, 0};
-                    kern(p);
-                });
-            for (auto& t : lanes) t.join();
+    if (c.chunks) {
+        // As ops_gemv_q4.rs k_plan: kq / 32 threads rounded up to waves, `_kb` above 256; a
+        // grid of 3 blocks, so that each walks several batches.
+        const u32 block = (kq / 32 + TP_WAVE - 1) / TP_WAVE * TP_WAVE;
+        const bool big = block > 256;
+        void (*kern)(const GemvQ4Params) =
+            c.epi ? (big ? gemv_q4_kb_e : gemv_q4_k_e)
+                  : c.silu ? (big ? gemv_q4_kb_silu : gemv_q4_k_silu) : (big ? gemv_q4_kb : gemv_q4_k);
+        launch(kern, p, {3, 1, 1}, block);
+    } else {
+        void (*kern)(const GemvQ4Params) =
+            c.epi ? (tile ? gemm_q4_e : gemv_q4_e)
+                  : tile ? (c.silu ? gemm_q4_silu : gemm_q4) : (c.silu ? gemv_q4_silu : gemv_q4);
+        // Few blocks, so that the grid-stride loops run; one wave per block.
+        launch(kern, p, {3, 2, 1}, TP_WAVE);
+    }
+    auto dot = [&](u32 t, u32 r) {
+        double want = 0;
+        for (u32 j = 0; j < kq; ++j) {
+            const u32 g = j / c.group, i = perm[j];
+            const double q = (qw[(size_t)r * kq / 8 + j / 8] >> (4 * (j % 8))) & 15;
+            const double z = (zeros[(size_t)r * zw + g / 8] >> (4 * (g % 8))) & 15;
+            _Float16 h;
+            std::memcpy(&h, &scales[(size_t)r * groups + g], 2);
+            double a = x[(size_t)t * xk + i];
+            if (c.silu) a = a / (1 + std::exp(-a)) * x[(size_t)t * xk + c.k + i];
+            want += a * (q - z) * (double)(float)h;
         }
+        return want;
+    };
+    const u32 yn = c.epi ? c.n / 2 : c.n;
     double worst = 0;
     for (u32 t = 0; t < c.m; ++t)
-        for (u32 r = 0; r < c.n; ++r) {
-            double want = 0;
-            for (u32 j = 0; j < kq; ++j) {
-                const u32 g = j / c.group, i = perm[j];
-                const double q = (qw[(size_t)r * kq / 8 + j / 8] >> (4 * (j % 8))) & 15;
-                const double z = (zeros[(size_t)r * zw + g / 8] >> (4 * (g % 8))) & 15;
-                _Float16 h;
-                std::memcpy(&h, &scales[(size_t)r * groups + g], 2);
-                double a = x[(size_t)t * xk + i];
-                if (c.silu) a = a / (1 + std::exp(-a)) * x[(size_t)t * xk + c.k + i];
-                want += a * (q - z) * (double)(float)h;
-            }
-            const double got = y[(size_t)t * c.n + r];
+        for (u32 r = 0; r < yn; ++r) {
+            double want = dot(t, r);
+            if (c.epi) want = want / (1 + std::exp(-want)) * dot(t, r + yn);
+            const double got = y[(size_t)t * yn + r];
             const double e = std::fabs(got - want) / (1 + std::fabs(want));
             if (!(e <= worst)) worst = e;  // NaN (unwritten) counts as worst
         }
     const bool ok = worst < 1e-4;
-    std::printf("%s m %u k %u n %u group %u%s%s%s: max rel err %.2e\n", ok ? "ok  " : "FAIL", c.m,
-                c.k, c.n, c.group, c.perm ? " perm" : "", c.silu ? " silu" : "",
-                vec ? " vec" : " word", worst);
+    std::printf("%s m %u k %u n %u group %u%s%s%s%s%s: max rel err %.2e\n", ok ? "ok  " : "FAIL", c.m,
+                c.k, c.n, c.group, c.perm ? " perm" : "", c.silu ? " silu" : "", c.epi ? " epi" : "",
+                c.chunks ? " chunks" : "", vec ? " vec" : " word", worst);
     return ok ? 0 : 1;
 }
 
@@ -91,6 +121,19 @@ int main() {
             bad += run({4, 200, 21, group, true, silu}, false);
         }
     bad += run({1, 256, 19, 64, false, false}, false);
+    bad += run({1, 512, 38, 64, false, false, true}, true);
+    bad += run({3, 512, 38, 64, true, false, true}, true);
+    // The by-chunk kernels: `_k` (16 and 160 chunks), `_kb` (384), each group size, perm, both
+    // prologues, the epilogue; rows not a whole number of batches.
+    for (u32 group : {32u, 64u, 128u, 512u})
+        for (bool perm : {false, true})
+            for (bool silu : {false, true}) bad += run({1, 512, 37, group, perm, silu, false, true}, true);
+    for (bool silu : {false, true}) bad += run({1, 5120, 41, 128, false, silu, false, true}, true);
+    for (bool perm : {false, true}) bad += run({1, 12288, 23, 128, perm, false, false, true}, true);
+    bad += run({1, 12288, 13, 128, false, true, false, true}, true);
+    for (u32 n : {38u, 2u, 46u}) bad += run({1, 512, n, 128, false, false, true, true}, true);
+    bad += run({1, 5120, 58, 128, true, false, true, true}, true);
+    bad += run({1, 12288, 30, 128, false, false, true, true}, true);
     std::printf("%d failed\n", bad);
     return bad ? 1 : 0;
 }

@@ -1,11 +1,14 @@
 // A host stand-in for kernels/src/gpu/portable.h, enough to run gemv_q4.cu's kernels on a CPU
-// (scripts/emulate_gemv_q4.sh): one std::thread per lane of a 32-lane wave, the wave sum
-// through a barrier. Only for checking a kernel's arithmetic and indexing without a GPU.
+// (scripts/emulate_gemv_q4.sh): one std::thread per thread of a block, one block at a time;
+// wave sums and shuffles through a barrier per wave, __syncthreads through one per block,
+// __shared__ arrays static (blocks run one after another). Only for checking a kernel's
+// arithmetic and indexing without a GPU.
 #pragma once
 #include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -17,6 +20,7 @@ typedef long long i64;
 #define TP_LAUNCH_BOUNDS(threads, min_blocks)
 #define TP_WAVE 32
 #define __global__
+#define __shared__ static
 // CUDA's reading of the nibbles (subnormals); -DEMU_MAGIC checks HIP's (2^23 + q − 2^23).
 #if !defined(EMU_MAGIC)
 #define TP_Q4_SUBNORMAL 1
@@ -34,19 +38,44 @@ inline float tp_f32_from_bits(u32 b) {
     return f;
 }
 inline float __uint_as_float(u32 b) { return tp_f32_from_bits(b); }
+inline u32 tp_f32_bits(float f) {
+    u32 b;
+    std::memcpy(&b, &f, 4);
+    return b;
+}
+// dp4a.u32.s32: a's bytes unsigned, b's signed; wraps as two's complement.
+inline int tp_dot4_u8s8(u32 a, u32 b, int acc) {
+    u32 s = (u32)acc;
+    for (int i = 0; i < 4; ++i) s += (u32)((int)((a >> (8 * i)) & 0xffu) * (int)(int8_t)(b >> (8 * i)));
+    return (int)s;
+}
 inline float __expf(float x) { return std::exp(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float tp_f16_to_f32(u16 h) { return (float)*(const _Float16*)&h; }
 inline void tp_pdl_wait() {}
 
-// The wave sum: every lane writes its value, waits for the others, reads all 32.
-inline std::barrier<>* emu_wave;
-inline float emu_slot[TP_WAVE];
+// One barrier per wave (emu_waves[threadIdx.x / TP_WAVE]) and one per block; the launcher
+// (emulate_gemv_q4.cpp) makes them for each block size.
+inline std::vector<std::barrier<>*> emu_waves;
+inline std::barrier<>* emu_block;
+inline float emu_slot[1024];
+inline void __syncthreads() { emu_block->arrive_and_wait(); }
+// The wave sum: every lane writes its value, waits for the others, reads its wave's 32.
 inline float tp_wave_sum(float v) {
-    emu_slot[threadIdx.x % TP_WAVE] = v;
-    emu_wave->arrive_and_wait();
+    const u32 t = threadIdx.x, w0 = t / TP_WAVE * TP_WAVE;
+    emu_slot[t] = v;
+    emu_waves[t / TP_WAVE]->arrive_and_wait();
     float s = 0.0f;
-    for (int i = 0; i < TP_WAVE; ++i) s += emu_slot[i];
-    emu_wave->arrive_and_wait();
+    for (int i = 0; i < TP_WAVE; ++i) s += emu_slot[w0 + i];
+    emu_waves[t / TP_WAVE]->arrive_and_wait();
     return s;
+}
+// __shfl_xor_sync over the whole wave.
+inline float tp_shfl_xor(float v, int off) {
+    const u32 t = threadIdx.x;
+    emu_slot[t] = v;
+    emu_waves[t / TP_WAVE]->arrive_and_wait();
+    const float o = emu_slot[t ^ (u32)off];
+    emu_waves[t / TP_WAVE]->arrive_and_wait();
+    return o;
 }

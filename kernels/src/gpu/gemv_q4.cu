@@ -499,9 +499,9 @@ TP_DEV void q4k_acts(const GemvQ4Params& p, u32 c, bool active, Q4KActs& t) {
     // mx < 2^(x − 126) for its biased exponent x, so a · 2^(148 − x) < 2^22; clamped to keep
     // the factor a normal float (a chunk below 2^-104 keeps 2^-126 steps: nothing in decode).
     const int x = (int)((tp_f32_bits(mx) >> 23) & 0xffu);
-    const int k = min(max(148 - x, -126), 126);
+    const int k = 148 - x > 126 ? 126 : (148 - x < -126 ? -126 : 148 - x);
     const float f = tp_f32_from_bits((u32)(127 + k) << 23);
-    t.unscale = finite ? tp_f32_from_bits((u32)(127 - k) << 23) : __int_as_float(0x7fc00000);
+    t.unscale = finite ? tp_f32_from_bits((u32)(127 - k) << 23) : tp_f32_from_bits(0x7fc00000u);
     u32 sum = 0;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -525,10 +525,11 @@ TP_DEV void q4k_acts(const GemvQ4Params& p, u32 c, bool active, Q4KActs& t) {
 
 // A weight word's odd nibbles for dp4a: on CUDA read in place (w & 0xf0f0f0f0, bytes 16 q,
 // unsigned: dp4a.u32.s32), so their sums are 16 times theirs; on HIP, whose dot4 reads both
-// operands as signed, shifted down first (one more instruction per word).
-#if defined(TP_CUDA)
+// operands as signed, shifted down first (one more instruction per word). (Predefined by
+// scripts/emulate_gemv_q4.sh, which checks both forms on a CPU.)
+#if !defined(TP_Q4K_ODD_SHIFT) && defined(TP_CUDA)
 #define TP_Q4K_ODD_SHIFT 4
-#else
+#elif !defined(TP_Q4K_ODD_SHIFT)
 #define TP_Q4K_ODD_SHIFT 0
 #endif
 
