@@ -425,8 +425,8 @@ TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
 // and 1.9 % (down) faster in production on an H100 (34.8 → 34.2 µs, 21.1 → 20.7 µs), exact to
 // f32's rounding (the lab's f64 check: 1.5e-7 against 1.7e-7). H200, 27B MLP shapes at group
 // 128, f32 form (scripts/device/q4lab.cu, 2026-12-03): gate|up [34816, 5120] 2.61 TB/s with
-// RB = 4 (160 threads, 3 blocks per SM), down + silu [5120, 17408] 1.79 TB/s with RB = 2 (544 threads, 1 block per SM: the
-// registers cap it), against 4.4 TB/s for a plain read. Integer tensor cores (weights as u8,
+// RB = 4 (160 threads, 3 blocks per SM), down + silu [5120, 17408] 1.79 TB/s with RB = 2
+// (544 threads, 1 block per SM: the registers cap it), against 4.4 TB/s for a plain read. Integer tensor cores (weights as u8,
 // x as four exact signed bytes per 128-input slice, m16n8k32) reach ~1.8 instructions per
 // weight and were exact to 1e-7, but stalled on their dependent MMA chain at 2.2 TB/s: the
 // lab file keeps them (lab_m, lab_m2) for the next round. Tried since (lab, H200, 2026-12-06;
