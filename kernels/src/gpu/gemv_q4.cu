@@ -420,20 +420,21 @@ TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
 // sums with a transposed butterfly (log2 RB exchanges of half the values, then plain xor
 // steps: lane group r ends with row r), the waves' sums meet in shared memory, and after one
 // barrier per F batches lanes of wave 0 add them in wave order (deterministic) and write y.
-// Until 2026-12-06 the dot was f32 (a mask and an FFMA per nibble, ~3.3 instructions per
-// weight in all); the dp4a form issues ~1 per weight for the dot and measured 1.7 % (gate|up)
-// and 1.9 % (down) faster in production on an H100 (34.8 → 34.2 µs, 21.1 → 20.7 µs), exact to
-// f32's rounding (the lab's f64 check: 1.5e-7 against 1.7e-7). H200, 27B MLP shapes at group
-// 128, f32 form (scripts/device/q4lab.cu, 2026-12-03): gate|up [34816, 5120] 2.61 TB/s with
-// RB = 4 (160 threads, 3 blocks per SM), down + silu [5120, 17408] 1.79 TB/s with RB = 2
-// (544 threads, 1 block per SM: the registers cap it), against 4.4 TB/s for a plain read. Integer tensor cores (weights as u8,
-// x as four exact signed bytes per 128-input slice, m16n8k32) reach ~1.8 instructions per
-// weight and were exact to 1e-7, but stalled on their dependent MMA chain at 2.2 TB/s: the
-// lab file keeps them (lab_m, lab_m2) for the next round. Tried since (lab, H200, 2026-12-06;
+// Until 2026-12-06 the dot was f32 (a mask and an FFMA per nibble, ~3.3 instructions per weight in
+// all); the dp4a form issues ~1 per weight for the dot and measured 1.7 % (gate|up) and 1.9 %
+// (down) faster in production on an H100 (34.8 → 34.2 µs, 21.1 → 20.7 µs), exact to f32's rounding
+// (the lab's f64 check: 1.5e-7 against 1.7e-7). H200, 27B MLP shapes at group 128, f32 form
+// (scripts/device/q4lab.cu, 2026-12-03): gate|up [34816, 5120] 2.61 TB/s with RB = 4 (160 threads,
+// 3 blocks per SM), down + silu [5120, 17408] 1.79 TB/s with RB = 2 (544 threads, 1 block per SM:
+// the registers cap it), against 4.4 TB/s for a plain read. Integer tensor cores (weights as u8, x
+// as four exact signed bytes per 128-input slice, m16n8k32) reach ~1.8 instructions per weight and
+// were exact to 1e-7, but stalled on their dependent MMA chain at 2.2 TB/s: the lab file keeps them
+// (lab_m, lab_m2) for the next round.
+// Tried since (lab, H200, 2026-12-06;
 // ncu: the 544-thread blocks stall on memory latency, long scoreboard 1.6–3.5 cycles per
 // issued instruction, and issue ~0.47 per scheduler per cycle): K split over a cluster of 2
-// blocks with one cluster barrier at the end (down 21.8 µs against 23.4: kept in the lab
-// only), and the weights staged through shared memory by cp.async 4–6 batches deep (down
+// blocks with one cluster barrier at the end (down 21.8 µs against 23.4 in the lab; in
+// production on an H100, graph + PDL, 21.75 µs against 21.12: left in the lab), and the weights staged through shared memory by cp.async 4–6 batches deep (down
 // 32–36 µs, gate|up 52 µs: worse; the shared-memory round trip costs more than it hides), and
 // bulk L2 prefetches (cp.async.bulk.prefetch.L2) of the batches 1–4 ahead of the register
 // loads by one thread per block (down 26.3–26.6 µs, gate|up 38.9–40.2: worse too).
