@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Checks gemv_q4.cu's arithmetic and indexing on a CPU (no GPU, no CUDA): builds its kernels
-# with g++ against a host stand-in for portable.h (scripts/emu/), runs them one 32-thread wave
-# at a time over random int4 layers and compares with an f64 reference. Needs g++ 12+
-# (_Float16, std::barrier). A few seconds.
+# with g++ against a host stand-in for portable.h (scripts/emu/), runs them one block at a
+# time (a thread per GPU thread) over random int4 layers and compares with an f64 reference.
+# Needs g++ 12+ (_Float16, std::barrier). ~15 s; a hang (a barrier not every thread reaches)
+# fails after 300 s.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 tmp="$(mktemp -d)"
@@ -17,5 +18,5 @@ for variant in subnormal magic; do
     echo "== nibbles read as on $([ "$variant" = magic ] && echo HIP || echo CUDA) ($variant)"
     g++ -std=c++20 -O1 -pthread -Wall -Wno-unused-function -Wno-unknown-pragmas $flags \
         -o "$tmp/emu" "$tmp/emulate_gemv_q4.cpp"
-    "$tmp/emu" | grep -v '^ok'
+    timeout 300 "$tmp/emu" | grep -v '^ok'
 done

@@ -331,79 +331,33 @@ __global__ void __launch_bounds__(MAXT, MINB) lab_t2(const GemvQ4Params p) {
 // Each thread's 32 activations as f32 (pre-scaled for the subnormal reading of nibbles), per
 // word a mask and an FFMA per nibble (2.1 instructions per weight), z applied as z · Σ a. The
 // production `_k` body now multiplies exact byte limbs of x with dp4a (gemv_q4.cu q4k_dots).
-template <bool SILU>
-TP_DEV float tf_acts(const GemvQ4Params& p, u32 c, bool active, float (&a)[32]) {
-    const float sa = q4_act<4, SILU>((const float*)p.x, p.k, (const u32*)p.perm, c * 32, a);
-    if (!active) {
+struct TfDot {
+    struct Acts {
+        float a[32];
+        float sa;  // Σ a
+    };
+    template <bool SILU>
+    static TP_DEV void acts(const GemvQ4Params& p, u32 c, bool active, Acts& t) {
+        t.sa = q4_act<4, SILU>((const float*)p.x, p.k, (const u32*)p.perm, c * 32, t.a);
+        if (!active) {
+            t.sa = 0.0f;
 #pragma unroll
-        for (int e = 0; e < 32; ++e) a[e] = 0.0f;
-    }
-    return active ? sa : 0.0f;
-}
-template <int RB>
-TP_DEV void tf_dots(const Q4KBatch<RB>& cur, const float (&a)[32], u32 zshift, float sa, float (&v)[RB]) {
-#pragma unroll
-    for (int r = 0; r < RB; ++r) {
-        const float d = q4_dot<4>(cur.w[r], a);
-        const float z = (float)((cur.z[r] >> zshift) & 0xfu);
-        v[r] = q4_scale(cur.s[r]) * fmaf(-z, sa, d);
-    }
-}
-template <int RB, int D, int F, bool EPI, int MAXT, int MINB>
-__global__ void __launch_bounds__(MAXT, MINB) lab_tf(const GemvQ4Params p) {
-    constexpr int L = RB == 1 ? 0 : RB == 2 ? 1 : RB == 4 ? 2 : 3;
-    __shared__ float red[2 * F][1024 / 32][RB];
-    const u32 t = threadIdx.x, lane = t % 32, wave = t / 32, waves = blockDim.x / 32;
-    const u32 chunks = p.kq / 32;
-    const bool active = t < chunks;
-    const u32 c = active ? t : 0;
-    const u32 g = c * 32 / p.group, zshift = 4 * (g % 8);
-    const u32 zstride = (p.groups + 7) / 8, wstride = p.kq / 8, sstride = p.groups;
-    const u32* wp = (const u32*)p.qweight + c * 4;
-    const u16* sp = (const u16*)p.scales + g;
-    const u32* zp = (const u32*)p.zeros + g / 8;
-    constexpr u32 YB = EPI ? RB / 2 : RB;
-    const u32 yn = EPI ? p.n / 2 : p.n;
-    const u32 batches = (yn + YB - 1) / YB, G = gridDim.x;
-    u32 b = blockIdx.x;
-    if (b >= batches) return;
-    Q4KBatch<RB> set[D];
-#pragma unroll
-    for (int d = 0; d < D - 1; ++d)
-        if (b + d * G < batches) q4k_load<RB, EPI>(wp, sp, zp, wstride, sstride, zstride, b + d * G, p.n, set[d]);
-    float a[32];
-    const float sa = tf_acts<false>(p, c, active, a);
-    u32 i = 0;
-    bool done = false;
-    while (!done) {
-#pragma unroll
-        for (int d = 0; d < D; ++d) {
-            if (!done) {
-                const u32 ahead = b + (D - 1) * G;
-                if (ahead < batches)
-                    q4k_load<RB, EPI>(wp, sp, zp, wstride, sstride, zstride, ahead, p.n, set[(d + D - 1) % D]);
-                float v[RB];
-                tf_dots<RB>(set[d], a, zshift, sa, v);
-                const float sum = q4k_wave_sums<RB, L>(v, lane);
-                if (lane % (32 >> L) == 0) red[i % (2 * F)][wave][lane / (32 >> L)] = sum;
-                ++i;
-                b += G;
-                done = b >= batches;
-                if (done || i % F == 0) {
-                    __syncthreads();
-                    if (wave == 0) {
-                        const u32 i0 = (i - 1) / F * F, j = lane / RB, r = lane % RB;
-                        float s = 0.0f;
-                        if (i0 + j < i)
-                            for (u32 w = 0; w < waves; ++w) s += red[(i0 + j) % (2 * F)][w][r];
-                        if (EPI) s = q4_silu_mul(s, __shfl_xor_sync(0xffffffffu, s, YB));
-                        const u32 row = (blockIdx.x + (i0 + j) * G) * YB + r;
-                        if (i0 + j < i && r < YB && row < yn) ((float*)p.y)[row] = s;
-                    }
-                }
-            }
+            for (int e = 0; e < 32; ++e) t.a[e] = 0.0f;
         }
     }
+    template <int RB>
+    static TP_DEV void dots(const Q4KBatch<RB>& cur, const Acts& t, u32 zshift, float (&v)[RB]) {
+#pragma unroll
+        for (int r = 0; r < RB; ++r) {
+            const float d = q4_dot<4>(cur.w[r], t.a);
+            const float z = (float)((cur.z[r] >> zshift) & 0xfu);
+            v[r] = q4_scale(cur.s[r]) * fmaf(-z, t.sa, d);
+        }
+    }
+};
+template <int RB, int D, int F, bool EPI, int MAXT, int MINB>
+__global__ void __launch_bounds__(MAXT, MINB) lab_tf(const GemvQ4Params p) {
+    gemv_q4_k_body<RB, false, EPI, D, F, TfDot>(p);
 }
 #define LAB_TF_GATE_UP(X) X(4, 2, 1, true, 160, 3)
 #define LAB_TF_DOWN(X) X(2, 3, 8, false, 544, 1)
@@ -1161,15 +1115,15 @@ int main(int argc, char** argv) {
             add_te(lab_te<8, 160>, 8);
         }
         // T2: deeper loads and a barrier per F batches (gate|up with the epilogue, down plain).
-        auto add_t2 = [&](auto kern, int RB, int D, int F, int MINB, bool epi) {
+        auto add_t2 = [&](auto kern, int RB, int D, int F, int MINB, bool epi, const char* tag = "T2") {
             const u32 block = (kq / 32 + 31) / 32 * 32;
             int per_sm = 0;
             CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, block, 0));
             const u32 yb = epi ? RB / 2 : RB, batches = ((epi ? sh.n / 2 : sh.n) + yb - 1) / yb;
             const u32 grid = std::min<u32>(batches, per_sm * sms);
             char name[96];
-            snprintf(name, sizeof name, "T2%s RB%d D%d F%d minb%d %u thr %d/SM grid %u", epi ? "E" : "", RB, D, F,
-                     MINB, block, per_sm, grid);
+            snprintf(name, sizeof name, "%s%s RB%d D%d F%d minb%d %u thr %d/SM grid %u", tag, epi ? "E" : "", RB,
+                     D, F, MINB, block, per_sm, grid);
             Variant v{name, true, [=](const GemvQ4Params& p, cudaStream_t s) { kern<<<grid, block, 0, s>>>(p); },
                       epi};
             vs.push_back(v);
@@ -1181,20 +1135,7 @@ int main(int argc, char** argv) {
             LAB_T2_DOWN(LAB_T2_ADD)
         }
         // TF: the float form (the production body before dp4a).
-        auto add_tf = [&](auto kern, int RB, int D, int F, int MINB, bool epi) {
-            const u32 block = (kq / 32 + 31) / 32 * 32;
-            int per_sm = 0;
-            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, block, 0));
-            const u32 yb = epi ? RB / 2 : RB, batches = ((epi ? sh.n / 2 : sh.n) + yb - 1) / yb;
-            const u32 grid = std::min<u32>(batches, per_sm * sms);
-            char name[96];
-            snprintf(name, sizeof name, "TF%s RB%d D%d F%d minb%d %u thr %d/SM grid %u", epi ? "E" : "", RB, D, F,
-                     MINB, block, per_sm, grid);
-            Variant v{name, true, [=](const GemvQ4Params& p, cudaStream_t s) { kern<<<grid, block, 0, s>>>(p); },
-                      epi};
-            vs.push_back(v);
-        };
-#define LAB_TF_ADD(RB, D, F, EPI, MAXT, MINB) add_tf(lab_tf<RB, D, F, EPI, MAXT, MINB>, RB, D, F, MINB, EPI);
+#define LAB_TF_ADD(RB, D, F, EPI, MAXT, MINB) add_t2(lab_tf<RB, D, F, EPI, MAXT, MINB>, RB, D, F, MINB, EPI, "TF");
         if (!sh.silu && sh.k <= 8192) {
             LAB_TF_GATE_UP(LAB_TF_ADD)
         } else if (!sh.silu) {

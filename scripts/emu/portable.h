@@ -43,10 +43,19 @@ inline u32 tp_f32_bits(float f) {
     std::memcpy(&b, &f, 4);
     return b;
 }
-// dp4a.u32.s32: a's bytes unsigned, b's signed; wraps as two's complement.
+// CUDA's dp4a.u32.s32 (a's bytes unsigned, b's signed), or with TP_Q4K_ODD_SHIFT 0 HIP's
+// sdot4 (both signed); wraps as two's complement.
 inline int tp_dot4_u8s8(u32 a, u32 b, int acc) {
     u32 s = (u32)acc;
-    for (int i = 0; i < 4; ++i) s += (u32)((int)((a >> (8 * i)) & 0xffu) * (int)(int8_t)(b >> (8 * i)));
+    for (int i = 0; i < 4; ++i) {
+        const u32 ab = (a >> (8 * i)) & 0xffu;
+#if defined(TP_Q4K_ODD_SHIFT) && TP_Q4K_ODD_SHIFT == 0
+        const int av = (int)(int8_t)ab;
+#else
+        const int av = (int)ab;
+#endif
+        s += (u32)(av * (int)(int8_t)(b >> (8 * i)));
+    }
     return (int)s;
 }
 inline float __expf(float x) { return std::exp(x); }

@@ -166,7 +166,7 @@ TP_DEV float q4_silu_mul(float g, float u) { return __fdividef(g, 1.0f + __expf(
 
 // The E = 8 · WPL activations of stored inputs j0 .. j0 + E of one token, pre-scaled, and
 // their (unscaled) sum. `row`: the token's row of x.
-template <int WPL, bool SILU>
+template <int WPL, bool SILU, bool PRESCALE = true>
 TP_DEV float q4_act(const float* row, u32 k, const u32* perm, u32 j0, float (&a)[8 * WPL]) {
     constexpr int E = 8 * WPL;
     if (perm) {
@@ -209,7 +209,7 @@ TP_DEV float q4_act(const float* row, u32 k, const u32* perm, u32 j0, float (&a)
 #pragma unroll
     for (int e = 0; e < E; ++e) {
         s += a[e];
-        a[e] *= TP_Q4_XSCALE;
+        if (PRESCALE) a[e] *= TP_Q4_XSCALE;
     }
     return s;
 }
@@ -420,16 +420,16 @@ TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
 // sums with a transposed butterfly (log2 RB exchanges of half the values, then plain xor
 // steps: lane group r ends with row r), the waves' sums meet in shared memory, and after one
 // barrier per F batches lanes of wave 0 add them in wave order (deterministic) and write y.
-// Until 2026-12-06 the dot was f32 (a mask and an FFMA per nibble, ~3.3 instructions per weight in
-// all); the dp4a form issues ~1 per weight for the dot and measured 1.7 % (gate|up) and 1.9 %
-// (down) faster in production on an H100 (34.8 → 34.2 µs, 21.1 → 20.7 µs), exact to f32's rounding
-// (the lab's f64 check: 1.5e-7 against 1.7e-7). H200, 27B MLP shapes at group 128, f32 form
-// (scripts/device/q4lab.cu, 2026-12-03): gate|up [34816, 5120] 2.61 TB/s with RB = 4 (160 threads,
-// 3 blocks per SM), down + silu [5120, 17408] 1.79 TB/s with RB = 2 (544 threads, 1 block per SM:
-// the registers cap it), against 4.4 TB/s for a plain read. Integer tensor cores (weights as u8, x
-// as four exact signed bytes per 128-input slice, m16n8k32) reach ~1.8 instructions per weight and
-// were exact to 1e-7, but stalled on their dependent MMA chain at 2.2 TB/s: the lab file keeps them
-// (lab_m, lab_m2) for the next round.
+// Until 2026-12-06 the dot was f32 (a mask and an FFMA per nibble, ~3.3 instructions per weight
+// in all); the dp4a form issues ~1 per weight for the dot and measured 1.7 % (gate|up) and 1.9 %
+// (down) faster in production on an H100 (34.8 → 34.2 µs, 21.1 → 20.7 µs), as accurate as the f32
+// form on the 27B shapes (the lab's f64 check: 1.5e-7 against 1.7e-7). H200, 27B MLP shapes at
+// group 128, f32 form (scripts/device/q4lab.cu, 2026-12-03): gate|up [34816, 5120] 2.61 TB/s with
+// RB = 4 (160 threads, 3 blocks per SM), down + silu [5120, 17408] 1.79 TB/s with RB = 2 (544
+// threads, 1 block per SM: the registers cap it), against 4.4 TB/s for a plain read. Integer
+// tensor cores (weights as u8, x as four exact signed bytes per 128-input slice, m16n8k32) reach
+// ~1.8 instructions per weight and were exact to 1e-7, but stalled on their dependent MMA chain
+// at 2.2 TB/s: the lab file keeps them (lab_m, lab_m2) for the next round.
 // Tried since (lab, H200, 2026-12-06;
 // ncu: the 544-thread blocks stall on memory latency, long scoreboard 1.6–3.5 cycles per
 // issued instruction, and issue ~0.47 per scheduler per cycle): K split over a cluster of 2
@@ -472,28 +472,30 @@ TP_DEV void q4k_load(const u32* wp, const u16* sp, const u32* zp, u32 wstride, u
     }
 }
 
-// Chunk c's 32 activations f(x) as exact integers in three signed-byte limbs, for dp4a.
-// X_j = rint(a_j · 2^e) with e per thread, the power of two that brings the chunk's largest
-// below 2^22 (exact scaling; the rounding costs at most 2^-23 of the largest, f32's own
-// precision), and X = 2^16 h + 2^8 m + l with l, m in [−128, 127] and h in [−64, 64]. The
-// limbs are packed four to a register in the order of a weight word's nibbles: word i's
-// even nibbles (inputs 8i, 8i + 2, 8i + 4, 8i + 6) and its odd ones. A non-finite activation
-// makes the thread's sums NaN.
+// Chunk c's 32 activations f(x) as integers in three signed-byte limbs, for dp4a. X_j =
+// rint(a_j · 2^e) with e per thread, the power of two that brings the chunk's largest below
+// 2^22 (|X| ≤ 2^22 after rounding): exact scaling, and a rounding of at most half a step,
+// 2^-22 of the chunk's largest (f32's own is 2^-24 of each element: with an outlier in the
+// chunk the products lose more, measured ~2–3× the f32 form's error on such chunks). X = 2^16
+// h + 2^8 m + l with l, m in [−128, 127] and h in [−64, 64]. The limbs are packed four to a
+// register in the order of a weight word's nibbles: word i's even nibbles (inputs 8i, 8i + 2,
+// 8i + 4, 8i + 6) and its odd ones. A non-finite activation makes the thread's sums NaN (an
+// infinite one too, where the CPU twin may give ±inf: both are non-finite).
 struct Q4KActs {
     u32 e[3][4], o[3][4];  // [limb: h, m, l][word]
-    u32 sum;               // Σ_j X_j (|Σ| < 2^27)
+    u32 sum;               // Σ_j X_j (|Σ| ≤ 2^27)
     float unscale;         // 2^-e, or NaN
 };
 
 template <bool SILU>
 TP_DEV void q4k_acts(const GemvQ4Params& p, u32 c, bool active, Q4KActs& t) {
     float a[32];
-    (void)q4_act<4, SILU>((const float*)p.x, p.k, (const u32*)p.perm, c * 32, a);
+    (void)q4_act<4, SILU, false>((const float*)p.x, p.k, (const u32*)p.perm, c * 32, a);
     float mx = 0.0f;
     bool finite = true;
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
-        a[j] = active ? a[j] * (1.0f / TP_Q4_XSCALE) : 0.0f;  // exact: a power of two
+        if (!active) a[j] = 0.0f;
         finite = finite && fabsf(a[j]) <= 3.402823466e38f;
         mx = fmaxf(mx, fabsf(a[j]));
     }
@@ -538,7 +540,9 @@ TP_DEV void q4k_acts(const GemvQ4Params& p, u32 c, bool active, Q4KActs& t) {
 // word two masks and six dp4a (one per limb and nibble parity; on CUDA ~1 instruction per
 // weight, against 2.1 for a mask and an FFMA per nibble). Per row the limbs' sums (each below
 // 2^20 in magnitude) meet as Σ (q − z) X in u32: intermediate wrap-around cancels, since the
-// result's magnitude is below 32 · 15 · 2^22 < 2^31. One rounding to f32 after that.
+// result's magnitude is at most 32 · 15 · 2^22 < 2^31. One rounding to f32 after that; the
+// scale is applied before 2^-e, so that large activations meet a small scale before they
+// could overflow.
 template <int RB>
 TP_DEV void q4k_dots(const Q4KBatch<RB>& cur, const Q4KActs& t, u32 zshift, float (&v)[RB]) {
     constexpr int S = TP_Q4K_ODD_SHIFT;
@@ -559,9 +563,24 @@ TP_DEV void q4k_dots(const Q4KBatch<RB>& cur, const Q4KActs& t, u32 zshift, floa
         // Σ q X = Σ_limbs 2^(16, 8, 0) · (even + odd / 2^S); the odd sums are multiples of 2^S.
         const u32 d = ((u32)ae[0] << 16) + ((u32)ae[1] << 8) + (u32)ae[2] + ((u32)ao[0] << (16 - S)) +
                       ((u32)ao[1] << (8 - S)) + (u32)(ao[2] >> S) - z * t.sum;
-        v[r] = q4_scale(cur.s[r]) * ((float)(int)d * t.unscale);
+        v[r] = (q4_scale(cur.s[r]) * (float)(int)d) * t.unscale;
     }
 }
+
+// The `_k` body's dot, as a policy (Acts: what a thread keeps of x; acts() makes it once,
+// dots() takes a batch's rows), so that scripts/device/q4lab.cu times other forms in the same
+// loop.
+struct Q4KDot {
+    typedef Q4KActs Acts;
+    template <bool SILU>
+    static TP_DEV void acts(const GemvQ4Params& p, u32 c, bool active, Acts& t) {
+        q4k_acts<SILU>(p, c, active, t);
+    }
+    template <int RB>
+    static TP_DEV void dots(const Q4KBatch<RB>& cur, const Acts& t, u32 zshift, float (&v)[RB]) {
+        q4k_dots<RB>(cur, t, zshift, v);
+    }
+};
 
 // The wave's sums of RB = 2^L rows by a transposed butterfly: L exchanges of half the values,
 // then plain xor steps; lane group r (lanes r · (TP_WAVE >> L) ..) ends with row r's sum.
@@ -593,7 +612,7 @@ TP_DEV float q4k_wave_sums(float (&v)[RB], u32 lane) {
 // every reader of it has passed) and after each barrier thread j · RB + r adds row r of the
 // phase's batch j over the waves, in wave order (deterministic). With the epilogue the up sum
 // of a batch (row r + YB) reaches its gate row's thread by one shuffle (lane xor YB).
-template <int RB, bool SILU, bool EPI, int D, int F>
+template <int RB, bool SILU, bool EPI, int D, int F, class Dot = Q4KDot>
 TP_DEV void gemv_q4_k_body(const GemvQ4Params& p) {
     static_assert(!(SILU && EPI) && (!EPI || RB >= 2), "one of prologue and epilogue; pairs");
     constexpr int L = RB == 1 ? 0 : RB == 2 ? 1 : RB == 4 ? 2 : RB == 8 ? 3 : 4;
@@ -623,8 +642,8 @@ TP_DEV void gemv_q4_k_body(const GemvQ4Params& p) {
             q4k_load<RB, EPI>(wp, sp, zp, wstride, sstride, zstride, b + d * G, p.n, set[d]);
     }
     tp_pdl_wait();
-    Q4KActs acts;
-    q4k_acts<SILU>(p, c, active, acts);
+    typename Dot::Acts acts;
+    Dot::template acts<SILU>(p, c, active, acts);
     u32 i = 0;  // batches this block has computed
     bool done = false;
     while (!done) {
@@ -636,7 +655,7 @@ TP_DEV void gemv_q4_k_body(const GemvQ4Params& p) {
                 if (ahead < batches)
                     q4k_load<RB, EPI>(wp, sp, zp, wstride, sstride, zstride, ahead, p.n, set[(d + D - 1) % D]);
                 float v[RB];
-                q4k_dots<RB>(set[d], acts, zshift, v);
+                Dot::template dots<RB>(set[d], acts, zshift, v);
                 const float sum = q4k_wave_sums<RB, L>(v, lane);
                 if (lane % (TP_WAVE >> L) == 0) red[i % (2 * F)][wave][lane / (TP_WAVE >> L)] = sum;
                 ++i;
