@@ -2,7 +2,7 @@
 # Checks gemv_q4.cu's arithmetic and indexing on a CPU (no GPU, no CUDA): builds its kernels
 # with g++ against a host stand-in for portable.h (scripts/emu/), runs them one block at a
 # time (a thread per GPU thread) over random int4 layers and compares with an f64 reference.
-# Needs g++ 12+ (_Float16, std::barrier). ~15 s; a hang (a barrier not every thread reaches)
+# Needs g++ 12+ (_Float16, std::barrier). ~30 s; a hang (a barrier not every thread reaches)
 # fails after 300 s.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"

@@ -12,7 +12,8 @@
 # fixtures, dense and GPTQ, 1 and 4 ranks, graph and eager) with the first binary (--selftest:
 # the selftest alone). Last, one profiled run of the first binary (eager, each op between
 # events): µs per token by op.
-# GEMV_ONLY=1: the checks and the bench only (no synth, no decode); NO_PROFILE=1: no profile. Results in $OUT (or ./out).
+# GEMV_ONLY=1: the checks and the bench only (no synth, no decode); NO_PROFILE=1: no profile.
+# Results in $OUT (or ./out).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 check=0

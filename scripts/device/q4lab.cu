@@ -262,14 +262,14 @@ __global__ void __launch_bounds__(MAXT, MINB) lab_ts(const GemvQ4Params p) {
     u32 b = cl;
     if (b < batches) q4k_load<RB, false>(wp, sp, zp, wstride, sstride, zstride, b, p.n, A);
     Q4KActs acts;
-    q4k_acts<SILU>(p, c, active, acts);
+    Q4KDot::acts<SILU>(p, c, active, acts);
     u32 lb = 0;
     auto step = [&](Q4KBatch<RB>& cur, Q4KBatch<RB>& nxt) -> bool {
         const u32 b2 = b + ncl;
         const bool more = b2 < batches;
         if (more) q4k_load<RB, false>(wp, sp, zp, wstride, sstride, zstride, b2, p.n, nxt);
         float v[RB];
-        q4k_dots<RB>(cur, acts, zshift, v);
+        Q4KDot::dots<RB>(cur, acts, zshift, v);
         const float sum = q4k_wave_sums<RB, L>(v, lane);
         if (lane % (32 >> L) == 0) part[wave][lb][lane / (32 >> L)] = sum;
         ++lb;
@@ -326,11 +326,10 @@ __global__ void __launch_bounds__(MAXT, MINB) lab_t2(const GemvQ4Params p) {
 #define LAB_T2_GATE_UP(X) X(4, 2, 1, true, 160, 3) X(8, 2, 1, true, 160, 2) X(8, 2, 4, true, 160, 2) X(4, 3, 1, true, 160, 2)
 #define LAB_T2_DOWN(X) X(2, 3, 8, false, 544, 1) X(2, 2, 8, false, 544, 1) X(4, 2, 8, false, 544, 1) X(2, 4, 8, false, 544, 1)
 
-
 // ---- baseline TF: the float form production had until 2026-12-06 ---------------------------
 // Each thread's 32 activations as f32 (pre-scaled for the subnormal reading of nibbles), per
 // word a mask and an FFMA per nibble (2.1 instructions per weight), z applied as z · Σ a. The
-// production `_k` body now multiplies exact byte limbs of x with dp4a (gemv_q4.cu q4k_dots).
+// production `_k` body now multiplies exact byte limbs of x with dp4a (gemv_q4.cu Q4KDot).
 struct TfDot {
     struct Acts {
         float a[32];

@@ -26,11 +26,9 @@ struct Case {
 static void launch(void (*kern)(const GemvQ4Params), const GemvQ4Params& p, EmuDim grid, u32 block) {
     blockDim = {block, 1, 1};
     gridDim = grid;
-    std::vector<std::barrier<>*> waves;
-    for (u32 w = 0; w < block / TP_WAVE; ++w) waves.push_back(new std::barrier<>(TP_WAVE));
-    std::barrier<> all((std::ptrdiff_t)block);
-    emu_waves = waves;
-    emu_block = &all;
+    emu_waves.clear();
+    for (u32 w = 0; w < block / TP_WAVE; ++w) emu_waves.push_back(std::make_unique<std::barrier<>>(TP_WAVE));
+    emu_block = std::make_unique<std::barrier<>>((std::ptrdiff_t)block);
     for (u32 by = 0; by < grid.y; ++by)
         for (u32 bx = 0; bx < grid.x; ++bx) {
             std::vector<std::thread> threads;
@@ -42,7 +40,6 @@ static void launch(void (*kern)(const GemvQ4Params), const GemvQ4Params& p, EmuD
                 });
             for (auto& t : threads) t.join();
         }
-    for (auto* w : waves) delete w;
 }
 
 static int run(const Case& c, bool vec) {

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 typedef unsigned char u8;
@@ -65,21 +66,12 @@ inline void tp_pdl_wait() {}
 
 // One barrier per wave (emu_waves[threadIdx.x / TP_WAVE]) and one per block; the launcher
 // (emulate_gemv_q4.cpp) makes them for each block size.
-inline std::vector<std::barrier<>*> emu_waves;
-inline std::barrier<>* emu_block;
+inline std::vector<std::unique_ptr<std::barrier<>>> emu_waves;
+inline std::unique_ptr<std::barrier<>> emu_block;
 inline float emu_slot[1024];
 inline void __syncthreads() { emu_block->arrive_and_wait(); }
-// The wave sum: every lane writes its value, waits for the others, reads its wave's 32.
-inline float tp_wave_sum(float v) {
-    const u32 t = threadIdx.x, w0 = t / TP_WAVE * TP_WAVE;
-    emu_slot[t] = v;
-    emu_waves[t / TP_WAVE]->arrive_and_wait();
-    float s = 0.0f;
-    for (int i = 0; i < TP_WAVE; ++i) s += emu_slot[w0 + i];
-    emu_waves[t / TP_WAVE]->arrive_and_wait();
-    return s;
-}
-// __shfl_xor_sync over the whole wave.
+// __shfl_xor_sync over the whole wave: every lane writes its value, waits for the others, reads
+// its partner's.
 inline float tp_shfl_xor(float v, int off) {
     const u32 t = threadIdx.x;
     emu_slot[t] = v;
@@ -87,4 +79,9 @@ inline float tp_shfl_xor(float v, int off) {
     const float o = emu_slot[t ^ (u32)off];
     emu_waves[t / TP_WAVE]->arrive_and_wait();
     return o;
+}
+// The wave sum by the same butterfly as portable.h's (so in the GPU's order).
+inline float tp_wave_sum(float v) {
+    for (int m = TP_WAVE / 2; m > 0; m /= 2) v += tp_shfl_xor(v, m);
+    return v;
 }

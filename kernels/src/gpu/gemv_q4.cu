@@ -164,8 +164,8 @@ TP_DEV float q4_scale(u16 h) {
 // silu(g) · u as gemv.cu computes it (its comment gives the error of the fast intrinsics).
 TP_DEV float q4_silu_mul(float g, float u) { return __fdividef(g, 1.0f + __expf(-g)) * u; }
 
-// The E = 8 · WPL activations of stored inputs j0 .. j0 + E of one token, pre-scaled, and
-// their (unscaled) sum. `row`: the token's row of x.
+// The E = 8 · WPL activations of stored inputs j0 .. j0 + E of one token, pre-scaled for
+// q4_nib unless PRESCALE is false, and their (unscaled) sum. `row`: the token's row of x.
 template <int WPL, bool SILU, bool PRESCALE = true>
 TP_DEV float q4_act(const float* row, u32 k, const u32* perm, u32 j0, float (&a)[8 * WPL]) {
     constexpr int E = 8 * WPL;
@@ -405,46 +405,43 @@ TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
 }
 
 // ---- decode by input chunks (the `_k` kernels) ------------------------------------------------
-// The m = 1 path the launcher prefers when kq / 32 ≤ 640 and the 16-byte path applies. The
-// kernels above read all of x once per R rows in every wave (prescale, Σ a and, with the
-// prologue, an exp per activation: ~4.7 issued instructions per weight in ptxas's SASS) and
-// were issue-bound at 1.5 TB/s (gate|up) and 0.96 TB/s (down + silu) on an H200. Here a block
-// of ceil(kq / 32) threads covers every stored input once: thread c holds chunk c's 32
-// activations (f(x), through perm when given) in registers for the whole kernel, as exact
-// signed-byte limbs for dp4a (q4k_acts, q4k_dots), and its group, scale and zero offsets are
-// fixed; only row pointers move. The
-// block walks batches of RB rows (b, b + gridDim.x, ...: a persistent grid, sized by the
-// launcher from the occupancy), per row one 16-byte weight load, one scale and one zero word
-// per thread, the loads of the next D − 1 batches issued before the current batch is computed
-// (D register sets used in rotation, so nothing is copied). Each wave reduces its RB partial
-// sums with a transposed butterfly (log2 RB exchanges of half the values, then plain xor
-// steps: lane group r ends with row r), the waves' sums meet in shared memory, and after one
-// barrier per F batches lanes of wave 0 add them in wave order (deterministic) and write y.
-// Until 2026-12-06 the dot was f32 (a mask and an FFMA per nibble, ~3.3 instructions per weight
-// in all); the dp4a form issues ~1 per weight for the dot and measured 1.7 % (gate|up) and 1.9 %
-// (down) faster in production on an H100 (34.8 → 34.2 µs, 21.1 → 20.7 µs), as accurate as the f32
-// form on the 27B shapes (the lab's f64 check: 1.5e-7 against 1.7e-7). H200, 27B MLP shapes at
-// group 128, f32 form (scripts/device/q4lab.cu, 2026-12-03): gate|up [34816, 5120] 2.61 TB/s with
-// RB = 4 (160 threads, 3 blocks per SM), down + silu [5120, 17408] 1.79 TB/s with RB = 2 (544
-// threads, 1 block per SM: the registers cap it), against 4.4 TB/s for a plain read. Integer
-// tensor cores (weights as u8, x as four exact signed bytes per 128-input slice, m16n8k32) reach
-// ~1.8 instructions per weight and were exact to 1e-7, but stalled on their dependent MMA chain
-// at 2.2 TB/s: the lab file keeps them (lab_m, lab_m2) for the next round.
-// Tried since (lab, H200, 2026-12-06;
-// ncu: the 544-thread blocks stall on memory latency, long scoreboard 1.6–3.5 cycles per
-// issued instruction, and issue ~0.47 per scheduler per cycle): K split over a cluster of 2
-// blocks with one cluster barrier at the end (down 21.8 µs against 23.4 in the lab; in
-// production on an H100, graph + PDL, 21.75 µs against 21.12: left in the lab), and the weights staged through shared memory by cp.async 4–6 batches deep (down
-// 32–36 µs, gate|up 52 µs: worse; the shared-memory round trip costs more than it hides), and
-// bulk L2 prefetches (cp.async.bulk.prefetch.L2) of the batches 1–4 ahead of the register
-// loads by one thread per block (down 26.3–26.6 µs, gate|up 38.9–40.2: worse too).
-// D and F (lab T2, H100, 2026-12-06; both kernels take the same time on an H100 and an H200,
-// so they wait on latency in SM cycles, not on DRAM): down (544 threads, 1 block per SM)
-// 27.0 µs at D 2, F 1 (as before), 24.2 at D 3, F 8, 25.1 at D 2, F 8, 26.1 at D 4 (spills);
-// in production 23.4 → 21.4 µs. gate|up (160 threads, 3 blocks per SM at 126 registers) gains
-// from neither: D 3 costs a block per SM (40.8 µs against 37.9), F 8 costs 1.2 µs (one
-// wave's 32 serial sums per phase), L2 prefetches (`prefetch.global.L2`, 3–5 batches ahead)
-// nothing.
+// The m = 1 path the launcher prefers when kq / 32 ≤ 640 and the 16-byte path applies. The kernels
+// above read all of x once per R rows in every wave (prescale, Σ a and, with the prologue, an exp
+// per activation: ~4.7 issued instructions per weight in ptxas's SASS) and were issue-bound at 1.5
+// TB/s (gate|up) and 0.96 TB/s (down + silu) on an H200. Here a block of ceil(kq / 32) threads
+// covers every stored input once: thread c holds chunk c's 32 activations (f(x), through perm when
+// given) in registers for the whole kernel, as exact signed-byte limbs for dp4a (Q4KDot), and its
+// group, scale and zero offsets are fixed; only row pointers move. The block walks batches of RB
+// rows (b, b + gridDim.x, ...: a persistent grid, sized by the launcher from the occupancy), per
+// row one 16-byte weight load, one scale and one zero word per thread, the loads of the next D − 1
+// batches issued before the current batch is computed (D register sets used in rotation, so nothing
+// is copied). Each wave reduces its RB partial sums with a transposed butterfly (log2 RB exchanges
+// of half the values, then plain xor steps: lane group r ends with row r), the waves' sums meet in
+// shared memory, and after one barrier per F batches lanes of wave 0 add them in wave order
+// (deterministic) and write y. Until 2026-12-06 the dot was f32 (a mask and an FFMA per nibble,
+// ~3.3 instructions per weight in all); the dp4a form issues ~1 per weight for the dot and measured
+// 1.7 % (gate|up) and 1.9 % (down) faster in production on an H100 (34.8 → 34.2 µs, 21.1 → 20.7
+// µs), as accurate as the f32 form on the 27B shapes (the lab's f64 check: 1.5e-7 against 1.7e-7).
+// H200, 27B MLP shapes at group 128, f32 form (scripts/device/q4lab.cu, 2026-12-03): gate|up
+// [34816, 5120] 2.61 TB/s with RB = 4 (160 threads, 3 blocks per SM), down + silu [5120, 17408]
+// 1.79 TB/s with RB = 2 (544 threads, 1 block per SM: the registers cap it), against 4.4 TB/s for a
+// plain read. Integer tensor cores (weights as u8, x as four exact signed bytes per 128-input
+// slice, m16n8k32) reach ~1.8 instructions per weight and were exact to 1e-7, but stalled on their
+// dependent MMA chain at 2.2 TB/s: the lab file keeps them (lab_m, lab_m2) for the next round.
+// Tried since (lab, H200, 2026-12-06; ncu: the 544-thread blocks stall on memory latency, long
+// scoreboard 1.6–3.5 cycles per issued instruction, and issue ~0.47 per scheduler per cycle): K
+// split over a cluster of 2 blocks with one cluster barrier at the end (down 21.8 µs against 23.4
+// in the lab; in production on an H100, graph + PDL, 21.75 µs against 21.12: left in the lab), and
+// the weights staged through shared memory by cp.async 4–6 batches deep (down 32–36 µs, gate|up 52
+// µs: worse; the shared-memory round trip costs more than it hides), and bulk L2 prefetches
+// (cp.async.bulk.prefetch.L2) of the batches 1–4 ahead of the register loads by one thread per
+// block (down 26.3–26.6 µs, gate|up 38.9–40.2: worse too). D and F (lab T2, H100, 2026-12-06; both
+// kernels take the same time on an H100 and an H200, so they wait on latency in SM cycles, not on
+// DRAM): down (544 threads, 1 block per SM) 27.0 µs at D 2, F 1 (as before), 24.2 at D 3, F 8, 25.1
+// at D 2, F 8, 26.1 at D 4 (spills); in production 23.4 → 21.4 µs. gate|up (160 threads, 3 blocks
+// per SM at 126 registers) gains from neither: D 3 costs a block per SM (40.8 µs against 37.9), F 8
+// costs 1.2 µs (one wave's 32 serial sums per phase), L2 prefetches (`prefetch.global.L2`, 3–5
+// batches ahead) nothing.
 #define TP_Q4K_ROWS 4        // RB of gemv_q4_k* (blocks of at most 256 threads)
 #define TP_Q4K_ROWS_BIG 2    // RB of gemv_q4_kb* (up to 640 threads: the registers allow 2)
 #define TP_Q4K_SETS 2        // D of gemv_q4_k*: register sets of batch loads (D − 1 ahead)
@@ -487,45 +484,6 @@ struct Q4KActs {
     float unscale;         // 2^-e, or NaN
 };
 
-template <bool SILU>
-TP_DEV void q4k_acts(const GemvQ4Params& p, u32 c, bool active, Q4KActs& t) {
-    float a[32];
-    (void)q4_act<4, SILU, false>((const float*)p.x, p.k, (const u32*)p.perm, c * 32, a);
-    float mx = 0.0f;
-    bool finite = true;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-        if (!active) a[j] = 0.0f;
-        finite = finite && fabsf(a[j]) <= 3.402823466e38f;
-        mx = fmaxf(mx, fabsf(a[j]));
-    }
-    // mx < 2^(x − 126) for its biased exponent x, so a · 2^(148 − x) < 2^22; clamped to keep
-    // the factor a normal float (a chunk below 2^-104 keeps 2^-126 steps: nothing in decode).
-    const int x = (int)((tp_f32_bits(mx) >> 23) & 0xffu);
-    const int k = 148 - x > 126 ? 126 : (148 - x < -126 ? -126 : 148 - x);
-    const float f = tp_f32_from_bits((u32)(127 + k) << 23);
-    t.unscale = finite ? tp_f32_from_bits((u32)(127 - k) << 23) : tp_f32_from_bits(0x7fc00000u);
-    u32 sum = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-        for (int L = 0; L < 3; ++L) t.e[L][i] = t.o[L][i] = 0;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int X = finite ? (int)rintf(a[8 * i + j] * f) : 0;
-            const int l = (int)((u32)X << 24) >> 24, r = (X - l) >> 8;
-            const int m = (int)((u32)r << 24) >> 24, h = (r - m) >> 8;
-            sum += (u32)X;
-            const u32 sh = 8 * (j / 2);
-            u32(&dst)[3][4] = j % 2 == 0 ? t.e : t.o;
-            dst[0][i] |= ((u32)h & 0xffu) << sh;
-            dst[1][i] |= ((u32)m & 0xffu) << sh;
-            dst[2][i] |= ((u32)l & 0xffu) << sh;
-        }
-    }
-    t.sum = sum;
-}
-
 // A weight word's odd nibbles for dp4a: on CUDA read in place (w & 0xf0f0f0f0, bytes 16 q,
 // unsigned: dp4a.u32.s32), so their sums are 16 times theirs; on HIP, whose dot4 reads both
 // operands as signed, shifted down first (one more instruction per word). (Predefined by
@@ -536,49 +494,81 @@ TP_DEV void q4k_acts(const GemvQ4Params& p, u32 c, bool active, Q4KActs& t) {
 #define TP_Q4K_ODD_SHIFT 0
 #endif
 
-// This thread's partial sum of each row of a batch: s · Σ (q − z) · a over its chunk. Per
-// word two masks and six dp4a (one per limb and nibble parity; on CUDA ~1 instruction per
-// weight, against 2.1 for a mask and an FFMA per nibble). Per row the limbs' sums (each below
-// 2^20 in magnitude) meet as Σ (q − z) X in u32: intermediate wrap-around cancels, since the
-// result's magnitude is at most 32 · 15 · 2^22 < 2^31. One rounding to f32 after that; the
-// scale is applied before 2^-e, so that large activations meet a small scale before they
-// could overflow.
-template <int RB>
-TP_DEV void q4k_dots(const Q4KBatch<RB>& cur, const Q4KActs& t, u32 zshift, float (&v)[RB]) {
-    constexpr int S = TP_Q4K_ODD_SHIFT;
-#pragma unroll
-    for (int r = 0; r < RB; ++r) {
-        int ae[3] = {0, 0, 0}, ao[3] = {0, 0, 0};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const u32 w = cur.w[r].w[i];
-            const u32 we = w & 0x0f0f0f0fu, wo = S ? w & 0xf0f0f0f0u : (w >> 4) & 0x0f0f0f0fu;
-#pragma unroll
-            for (int L = 0; L < 3; ++L) {
-                ae[L] = tp_dot4_u8s8(we, t.e[L][i], ae[L]);
-                ao[L] = tp_dot4_u8s8(wo, t.o[L][i], ao[L]);
-            }
-        }
-        const u32 z = (cur.z[r] >> zshift) & 0xfu;
-        // Σ q X = Σ_limbs 2^(16, 8, 0) · (even + odd / 2^S); the odd sums are multiples of 2^S.
-        const u32 d = ((u32)ae[0] << 16) + ((u32)ae[1] << 8) + (u32)ae[2] + ((u32)ao[0] << (16 - S)) +
-                      ((u32)ao[1] << (8 - S)) + (u32)(ao[2] >> S) - z * t.sum;
-        v[r] = (q4_scale(cur.s[r]) * (float)(int)d) * t.unscale;
-    }
-}
-
 // The `_k` body's dot, as a policy (Acts: what a thread keeps of x; acts() makes it once,
 // dots() takes a batch's rows), so that scripts/device/q4lab.cu times other forms in the same
 // loop.
 struct Q4KDot {
     typedef Q4KActs Acts;
+
     template <bool SILU>
     static TP_DEV void acts(const GemvQ4Params& p, u32 c, bool active, Acts& t) {
-        q4k_acts<SILU>(p, c, active, t);
+        float a[32];
+        (void)q4_act<4, SILU, false>((const float*)p.x, p.k, (const u32*)p.perm, c * 32, a);
+        float mx = 0.0f;
+        bool finite = true;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+            if (!active) a[j] = 0.0f;
+            finite = finite && fabsf(a[j]) <= 3.402823466e38f;
+            mx = fmaxf(mx, fabsf(a[j]));
+        }
+        // mx < 2^(x − 126) for its biased exponent x, so a · 2^(148 − x) < 2^22. x ≤ 255 keeps
+        // k ≥ −107; k is capped at 126 to keep the factor a normal float (a chunk below 2^-104
+        // keeps 2^-126 steps: nothing in decode).
+        const int x = (int)((tp_f32_bits(mx) >> 23) & 0xffu);
+        const int k = 148 - x < 126 ? 148 - x : 126;
+        const float f = tp_f32_from_bits((u32)(127 + k) << 23);
+        t.unscale = finite ? tp_f32_from_bits((u32)(127 - k) << 23) : tp_f32_from_bits(0x7fc00000u);
+        u32 sum = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+#pragma unroll
+            for (int L = 0; L < 3; ++L) t.e[L][i] = t.o[L][i] = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int X = finite ? (int)rintf(a[8 * i + j] * f) : 0;
+                const int l = (int)((u32)X << 24) >> 24, r = (X - l) >> 8;
+                const int m = (int)((u32)r << 24) >> 24, h = (r - m) >> 8;
+                sum += (u32)X;
+                const u32 sh = 8 * (j / 2);
+                u32(&dst)[3][4] = j % 2 == 0 ? t.e : t.o;
+                dst[0][i] |= ((u32)h & 0xffu) << sh;
+                dst[1][i] |= ((u32)m & 0xffu) << sh;
+                dst[2][i] |= ((u32)l & 0xffu) << sh;
+            }
+        }
+        t.sum = sum;
     }
+
+    // This thread's partial sum of each row of a batch: s · Σ (q − z) · a over its chunk. Per word
+    // two masks and six dp4a (one per limb and nibble parity; on CUDA ~1 instruction per weight,
+    // against 2.1 for a mask and an FFMA per nibble). Per row the limbs' sums (each below 2^20 in
+    // magnitude) meet as Σ (q − z) X in u32: intermediate wrap-around cancels, since the result's
+    // magnitude is at most 32 · 15 · 2^22 < 2^31. One rounding to f32 after that; the scale is
+    // applied before 2^-e, so that large activations meet a small scale before they could overflow.
     template <int RB>
     static TP_DEV void dots(const Q4KBatch<RB>& cur, const Acts& t, u32 zshift, float (&v)[RB]) {
-        q4k_dots<RB>(cur, t, zshift, v);
+        constexpr int S = TP_Q4K_ODD_SHIFT;
+#pragma unroll
+        for (int r = 0; r < RB; ++r) {
+            int ae[3] = {0, 0, 0}, ao[3] = {0, 0, 0};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const u32 w = cur.w[r].w[i];
+                const u32 we = w & 0x0f0f0f0fu, wo = S ? w & 0xf0f0f0f0u : (w >> 4) & 0x0f0f0f0fu;
+#pragma unroll
+                for (int L = 0; L < 3; ++L) {
+                    ae[L] = tp_dot4_u8s8(we, t.e[L][i], ae[L]);
+                    ao[L] = tp_dot4_u8s8(wo, t.o[L][i], ao[L]);
+                }
+            }
+            const u32 z = (cur.z[r] >> zshift) & 0xfu;
+            // Σ q X = Σ_limbs 2^(16, 8, 0) · (even + odd / 2^S); odd sums are multiples of 2^S.
+            const u32 d = ((u32)ae[0] << 16) + ((u32)ae[1] << 8) + (u32)ae[2] +
+                          ((u32)ao[0] << (16 - S)) + ((u32)ao[1] << (8 - S)) + (u32)(ao[2] >> S) -
+                          z * t.sum;
+            v[r] = (q4_scale(cur.s[r]) * (float)(int)d) * t.unscale;
+        }
     }
 };
 
