@@ -326,6 +326,18 @@ __global__ void __launch_bounds__(MAXT, MINB) lab_t2(const GemvQ4Params p) {
 #define LAB_T2_GATE_UP(X) X(4, 2, 1, true, 160, 3) X(8, 2, 1, true, 160, 2) X(8, 2, 4, true, 160, 2) X(4, 3, 1, true, 160, 2)
 #define LAB_T2_DOWN(X) X(2, 3, 8, false, 544, 1) X(2, 2, 8, false, 544, 1) X(4, 2, 8, false, 544, 1) X(2, 4, 8, false, 544, 1)
 
+// ---- candidate TT: the weights through the bulk-copy engine --------------------------------
+// The production `_t` body (gemv_q4.cu gemv_q4_t_body: S stages of RB rows in shared memory,
+// filled by cp.async.bulk; scales and zeros DS − 1 batches ahead in registers; a barrier per F
+// batches) under other RB, S, DS and F.
+template <int RB, int S, int DS, int F, bool EPI, int MAXT>
+__global__ void __launch_bounds__(MAXT, 1) lab_tt(const GemvQ4Params p) {
+    gemv_q4_t_body<RB, EPI, S, DS, F>(p);
+}
+// As X(RB, S, DS, F, EPI, MAXT).
+#define LAB_TT_GATE_UP(X) X(4, 4, 4, 1, true, 160) X(4, 6, 4, 1, true, 160) X(4, 8, 4, 1, true, 160) X(8, 4, 3, 1, true, 160) X(4, 6, 2, 1, true, 160) X(4, 8, 4, 2, true, 160)
+#define LAB_TT_DOWN(X) X(2, 8, 4, 4, false, 544) X(2, 6, 4, 2, false, 544) X(2, 8, 4, 1, false, 544) X(4, 6, 4, 2, false, 544) X(2, 10, 4, 4, false, 544) X(2, 12, 4, 8, false, 544)
+
 // ---- baseline TF: the float form production had until 2026-12-06 ---------------------------
 // Each thread's 32 activations as f32 (pre-scaled for the subnormal reading of nibbles), per
 // word a mask and an FFMA per nibble (2.1 instructions per weight), z applied as z · Σ a. The
@@ -848,6 +860,9 @@ template __global__ void lab_ts<2, 2, true, 288, 2>(const GemvQ4Params);
 #define LAB_T2_INST(RB, D, F, EPI, MAXT, MINB) template __global__ void lab_t2<RB, D, F, EPI, MAXT, MINB>(const GemvQ4Params);
 LAB_T2_GATE_UP(LAB_T2_INST)
 LAB_T2_DOWN(LAB_T2_INST)
+#define LAB_TT_INST(RB, S, DS, F, EPI, MAXT) template __global__ void lab_tt<RB, S, DS, F, EPI, MAXT>(const GemvQ4Params);
+LAB_TT_GATE_UP(LAB_TT_INST)
+LAB_TT_DOWN(LAB_TT_INST)
 #define LAB_TF_INST(RB, D, F, EPI, MAXT, MINB) template __global__ void lab_tf<RB, D, F, EPI, MAXT, MINB>(const GemvQ4Params);
 LAB_TF_GATE_UP(LAB_TF_INST)
 LAB_TF_DOWN(LAB_TF_INST)
@@ -1132,6 +1147,28 @@ int main(int argc, char** argv) {
             LAB_T2_GATE_UP(LAB_T2_ADD)
         } else if (!sh.silu) {
             LAB_T2_DOWN(LAB_T2_ADD)
+        }
+        // TT: the weights through the bulk-copy engine into S stages of shared memory.
+        auto add_tt = [&](auto kern, int RB, int S, int DS, int F, bool epi) {
+            const u32 block = (kq / 32 + 31) / 32 * 32;
+            const u32 smem = (u32)S * RB * (kq / 2);
+            CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+            int per_sm = 0;
+            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, block, smem));
+            const u32 yb = epi ? RB / 2 : RB, batches = ((epi ? sh.n / 2 : sh.n) + yb - 1) / yb;
+            const u32 grid = std::min<u32>(batches, per_sm * sms);
+            char name[96];
+            snprintf(name, sizeof name, "TT%s RB%d S%d DS%d F%d %u thr %uKB %d/SM grid %u", epi ? "E" : "", RB, S,
+                     DS, F, block, smem / 1024, per_sm, grid);
+            Variant v{name, true, [=](const GemvQ4Params& p, cudaStream_t s) { kern<<<grid, block, smem, s>>>(p); },
+                      epi};
+            vs.push_back(v);
+        };
+#define LAB_TT_ADD(RB, S, DS, F, EPI, MAXT) add_tt(lab_tt<RB, S, DS, F, EPI, MAXT>, RB, S, DS, F, EPI);
+        if (!sh.silu && sh.k <= 8192) {
+            LAB_TT_GATE_UP(LAB_TT_ADD)
+        } else if (!sh.silu) {
+            LAB_TT_DOWN(LAB_TT_ADD)
         }
         // TF: the float form (the production body before dp4a).
 #define LAB_TF_ADD(RB, D, F, EPI, MAXT, MINB) add_t2(lab_tf<RB, D, F, EPI, MAXT, MINB>, RB, D, F, MINB, EPI, "TF");

@@ -669,6 +669,209 @@ TP_DEV void gemv_q4_k_body(const GemvQ4Params& p) {
     }
 }
 
+// ---- decode by input chunks, the weights through the bulk-copy engine (the `_t` kernels) ------
+// The `_k` kernels hold each batch's weights in registers, so the loads in flight per SM are
+// capped by the registers (D − 1 batches: 20–35 KB per SM), and both wait on memory latency:
+// the same µs on an H100 and an H200, 60 % (gate|up) and 45 % (down) of the H200's copy rate.
+// Here (sm_90, CUDA only) one thread per block streams whole batches of rows into a ring of S
+// stages in shared memory with `cp.async.bulk` (the Hopper TMA engine: one instruction per
+// contiguous range of rows, completion counted in bytes on an mbarrier per stage), so S
+// batches, 40–140 KB per SM, are in flight without a register each, and the first S are issued
+// before tp_pdl_wait() (weights are written by no kernel of the step): they stream while the
+// kernel before still runs. Each thread then reads its 16 bytes of each row from the stage
+// (consecutive threads, consecutive 16 bytes: no bank conflicts) and computes exactly as the
+// `_k` body (Q4KDot: the same integer dot, the same sums in the same order, so the results are
+// bit-identical to `_k`'s). Scales and zero words stay register loads, DS − 1 batches ahead.
+// A stage is refilled by thread 0 right after the block barrier that follows its last reader
+// (one barrier per F batches, as the `_k` body's), so S ≥ F + 1.
+#define TP_Q4T_STAGES 6      // S of gemv_q4_t* (RB = TP_Q4K_ROWS rows a stage)
+#define TP_Q4T_STAGES_BIG 8  // S of gemv_q4_tb* (RB = TP_Q4K_ROWS_BIG)
+#define TP_Q4T_SZ 4          // DS: register sets of scales and zeros (DS − 1 batches ahead)
+#define TP_Q4T_FLUSH 1       // F of gemv_q4_t*
+#define TP_Q4T_FLUSH_BIG 4   // F of gemv_q4_tb*
+// The bulk-copy primitives: on sm_90 PTX; scripts/emulate_gemv_q4.sh's host stand-in
+// (scripts/emu/portable.h) predefines TP_Q4T and its own, synchronous ones, so that the ring's
+// indexing and phases are checked on a CPU too.
+#if defined(TP_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define TP_Q4T 1
+// The stages: dynamic shared memory (the launcher's size).
+#define TP_Q4T_RING(name) extern __shared__ __align__(128) unsigned char name[]
+TP_DEV u32 q4t_smem(const void* p) {
+    u64 a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (u32)a;
+}
+TP_DEV void q4t_bar_init(u64* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(q4t_smem(bar)) : "memory");
+}
+// The barriers' initialisation made visible to the bulk-copy engine (the async proxy).
+TP_DEV void q4t_bar_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+// Arms a stage's barrier for `bytes` (one arrival, the only one it expects); the copies queued
+// on it next complete the phase as their bytes land.
+TP_DEV void q4t_expect(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(q4t_smem(bar)), "r"(bytes)
+                 : "memory");
+}
+TP_DEV void q4t_copy(unsigned char* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            q4t_smem(dst)),
+        "l"(src), "r"(bytes), "r"(q4t_smem(bar))
+        : "memory");
+}
+// Until the barrier's phase of parity `parity` has completed (its bytes have landed).
+TP_DEV void q4t_wait(u64* bar, u32 parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred ready;\n"
+        "q4t_again:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 ready, [%0], %1;\n"
+        "@!ready bra q4t_again;\n"
+        "}\n" ::"r"(q4t_smem(bar)),
+        "r"(parity)
+        : "memory");
+}
+#endif
+
+#if defined(TP_Q4T)
+template <int RB>
+struct Q4TSz {
+    u16 s[RB];
+    u32 z[RB];
+};
+
+// Thread 0: batch `b`'s rows into stage `st` (RB consecutive rows, or with the epilogue RB/2
+// gate rows and their RB/2 up rows; a last batch copies only the rows that exist, the stage's
+// other rows keep stale bytes whose sums are never written).
+template <int RB, bool EPI>
+TP_DEV void q4t_issue(const GemvQ4Params& p, unsigned char* ring, u64* bars, u32 b, u32 st) {
+    const u32 rowbytes = p.kq / 2;
+    unsigned char* dst = ring + (u64)st * RB * rowbytes;
+    u64* bar = bars + st;
+    const unsigned char* w = (const unsigned char*)p.qweight;
+    if (!EPI) {
+        const u32 r0 = b * RB, nr = q4_min(RB, p.n - r0);
+        q4t_expect(bar, nr * rowbytes);
+        q4t_copy(dst, w + (u64)r0 * rowbytes, nr * rowbytes, bar);
+    } else {
+        constexpr u32 H = RB / 2;
+        const u32 half = p.n / 2, i0 = b * H, nr = q4_min(H, half - i0);
+        q4t_expect(bar, 2 * nr * rowbytes);
+        q4t_copy(dst, w + (u64)i0 * rowbytes, nr * rowbytes, bar);
+        q4t_copy(dst + H * rowbytes, w + ((u64)half + i0) * rowbytes, nr * rowbytes, bar);
+    }
+}
+
+template <int RB, bool EPI>
+TP_DEV void q4t_load_sz(const u16* sp, const u32* zp, u32 sstride, u32 zstride, u32 b, u32 n,
+                        Q4TSz<RB>& o) {
+#pragma unroll
+    for (int r = 0; r < RB; ++r) {
+        const u64 row = q4k_row<RB, EPI>(b, r, n);
+        o.s[r] = sp[row * sstride];
+        o.z[r] = zp[row * zstride];
+    }
+}
+#endif
+
+// Dynamic shared memory: S stages of RB rows of kq / 2 bytes (ops_gemv_q4.rs t_plan).
+template <int RB, bool EPI, int S, int DS, int F, class Dot = Q4KDot>
+TP_DEV void gemv_q4_t_body(const GemvQ4Params& p) {
+#if defined(TP_Q4T)
+    constexpr int L = RB == 1 ? 0 : RB == 2 ? 1 : RB == 4 ? 2 : RB == 8 ? 3 : 4;
+    static_assert((1 << L) == RB && RB <= 16, "RB a power of two up to 16");
+    static_assert(DS >= 2 && F >= 1 && S > F && F * RB <= TP_WAVE, "stages beyond a phase");
+    TP_Q4T_RING(q4t_ring);
+    __shared__ u64 bars[S];
+    __shared__ float red[2 * F][1024 / TP_WAVE][RB];  // [slot][wave][row]
+    const u32 t = threadIdx.x, lane = t % TP_WAVE, wave = t / TP_WAVE, waves = blockDim.x / TP_WAVE;
+    const u32 chunks = p.kq / 32, rowbytes = p.kq / 2;
+    const bool active = t < chunks;
+    const u32 c = active ? t : 0;
+    const u32 g = c * 32 / p.group;
+    const u32 zshift = 4 * (g % 8);
+    const u32 zstride = (p.groups + 7) / 8, sstride = p.groups;
+    const u16* sp = (const u16*)p.scales + g;
+    const u32* zp = (const u32*)p.zeros + g / 8;
+    constexpr u32 YB = EPI ? RB / 2 : RB;
+    const u32 yn = EPI ? p.n / 2 : p.n;
+    const u32 batches = (yn + YB - 1) / YB, G = gridDim.x;
+    const u32 b0 = blockIdx.x;
+    if (b0 >= batches) return;
+    // Local batch i of this block is b0 + i·G, in stage i % S, the barrier's phase i / S.
+    const u32 mine = (batches - b0 + G - 1) / G;
+    if (t == 0) {
+        for (int s = 0; s < S; ++s) q4t_bar_init(bars + s);
+        q4t_bar_fence();
+        for (u32 i = 0; i < (u32)S && i < mine; ++i) q4t_issue<RB, EPI>(p, q4t_ring, bars, b0 + i * G, i);
+    }
+    Q4TSz<RB> sz[DS];
+#pragma unroll
+    for (int d = 0; d < DS - 1; ++d) {
+        if ((u32)d < mine) q4t_load_sz<RB, EPI>(sp, zp, sstride, zstride, b0 + d * G, p.n, sz[d]);
+    }
+    __syncthreads();  // the barriers initialised before any thread waits on them
+    tp_pdl_wait();
+    typename Dot::Acts acts;
+    Dot::template acts<false>(p, c, active, acts);
+    u32 i = 0;  // local batches computed
+    while (i < mine) {
+#pragma unroll
+        for (int d = 0; d < DS; ++d) {
+            if (i < mine) {
+                if (i + DS - 1 < mine)
+                    q4t_load_sz<RB, EPI>(sp, zp, sstride, zstride, b0 + (i + DS - 1) * G, p.n,
+                                         sz[(d + DS - 1) % DS]);
+                const u32 st = i % S;
+                q4t_wait(bars + st, (i / S) & 1);
+                Q4KBatch<RB> cur;
+                const unsigned char* stage = q4t_ring + (u64)st * RB * rowbytes + c * 16;
+#pragma unroll
+                for (int r = 0; r < RB; ++r) {
+                    const uint4 v = *(const uint4*)(stage + r * rowbytes);
+                    cur.w[r].w[0] = v.x;
+                    cur.w[r].w[1] = v.y;
+                    cur.w[r].w[2] = v.z;
+                    cur.w[r].w[3] = v.w;
+                    cur.s[r] = sz[d].s[r];
+                    cur.z[r] = sz[d].z[r];
+                }
+                float v[RB];
+                Dot::template dots<RB>(cur, acts, zshift, v);
+                const float sum = q4k_wave_sums<RB, L>(v, lane);
+                if (lane % (TP_WAVE >> L) == 0) red[i % (2 * F)][wave][lane / (TP_WAVE >> L)] = sum;
+                ++i;
+                if (i == mine || i % F == 0) {
+                    __syncthreads();  // every thread is past the phase's stages and sums
+                    const u32 i0 = (i - 1) / F * F;
+                    if (t == 0) {
+                        for (u32 k = i0; k < i; ++k)
+                            if (k + S < mine) q4t_issue<RB, EPI>(p, q4t_ring, bars, b0 + (k + S) * G, k % S);
+                    }
+                    if (wave == 0) {
+                        const u32 j = lane / RB, r = lane % RB;
+                        float s = 0.0f;
+                        if (i0 + j < i) {
+                            for (u32 w = 0; w < waves; ++w) s += red[(i0 + j) % (2 * F)][w][r];
+                        }
+                        if (EPI) s = q4_silu_mul(s, tp_shfl_xor(s, YB));
+                        const u32 row = (b0 + (i0 + j) * G) * YB + r;
+                        if (i0 + j < i && r < YB && row < yn) ((float*)p.y)[row] = s;
+                    }
+                }
+            }
+        }
+    }
+#else
+    (void)p;  // not built for this target: the launcher never picks it there
+#endif
+}
+
+#define TP_GEMV_Q4T_KERNEL(name, RB, EPI, MAXT, S, DS, F)                                 \
+    extern "C" __global__ void TP_LAUNCH_BOUNDS(MAXT, 1) name(const GemvQ4Params p) { \
+        gemv_q4_t_body<RB, EPI, S, DS, F>(p);                                          \
+    }
+
 #define TP_GEMV_Q4K_KERNEL(name, RB, SILU, EPI, MAXT, D, F)                                   \
     extern "C" __global__ void TP_LAUNCH_BOUNDS(MAXT, 1) name(const GemvQ4Params p) { \
         gemv_q4_k_body<RB, SILU, EPI, D, F>(p);                                        \
@@ -694,3 +897,8 @@ TP_GEMV_Q4_KERNEL(gemv_q4_e, TP_Q4_ROWS, 1, TP_Q4_LOADS / TP_Q4_ROWS, false, tru
 TP_GEMV_Q4_KERNEL(gemm_q4_e, TP_Q4_ROWS_TILE, TP_Q4_TOKENS, 1, false, true, 1)
 TP_GEMV_Q4K_KERNEL(gemv_q4_k_e, TP_Q4K_ROWS, false, true, 256, TP_Q4K_SETS, TP_Q4K_FLUSH)
 TP_GEMV_Q4K_KERNEL(gemv_q4_kb_e, TP_Q4K_ROWS_BIG, false, true, 640, TP_Q4K_SETS_BIG, TP_Q4K_FLUSH_BIG)
+// The bulk-copy forms of the four decode kernels (sm_90; empty elsewhere, never launched there).
+TP_GEMV_Q4T_KERNEL(gemv_q4_t, TP_Q4K_ROWS, false, 256, TP_Q4T_STAGES, TP_Q4T_SZ, TP_Q4T_FLUSH)
+TP_GEMV_Q4T_KERNEL(gemv_q4_tb, TP_Q4K_ROWS_BIG, false, 640, TP_Q4T_STAGES_BIG, TP_Q4T_SZ, TP_Q4T_FLUSH_BIG)
+TP_GEMV_Q4T_KERNEL(gemv_q4_t_e, TP_Q4K_ROWS, true, 256, TP_Q4T_STAGES, TP_Q4T_SZ, TP_Q4T_FLUSH)
+TP_GEMV_Q4T_KERNEL(gemv_q4_tb_e, TP_Q4K_ROWS_BIG, true, 640, TP_Q4T_STAGES_BIG, TP_Q4T_SZ, TP_Q4T_FLUSH_BIG)
