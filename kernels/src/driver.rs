@@ -91,9 +91,6 @@ pub struct Caps {
     /// Warp-level `mma.sync` tensor-core instructions (NVIDIA sm_80+ only; the AMD
     /// equivalents, MFMA, have other shapes and are not used).
     pub mma_sync: bool,
-    /// Hopper's bulk copies into shared memory (`cp.async.bulk` completing on an mbarrier: the
-    /// TMA engine; NVIDIA sm_90+ only), and dynamic shared memory above 48 KiB by opt-in.
-    pub bulk_copy: bool,
     /// An async copy from pageable host memory returns only after the runtime staged the
     /// source, so the caller may reuse it at once (CUDA's documented "API synchronization
     /// behavior"). Where false (HIP makes no such promise), small host → device writes are
@@ -412,16 +409,6 @@ pub unsafe trait Driver: Send + Sync {
     /// # Safety
     /// `f` belongs to a live module.
     unsafe fn occupancy(&self, f: Function, block: u32, smem: usize) -> DResult<u32>;
-    /// Lets `f` launch with up to `bytes` of dynamic shared memory (CUDA's opt-in above 48
-    /// KiB). Unsupported where the table has no such call (only [`Caps::bulk_copy`] kernels
-    /// need it).
-    ///
-    /// # Safety
-    /// `f` belongs to a live module.
-    unsafe fn set_max_dynamic_smem(&self, f: Function, bytes: u32) -> DResult<()> {
-        let _ = (f, bytes);
-        Err(DriverError::unsupported("set max dynamic shared memory"))
-    }
     /// Queues `f` on `s`. `params` is the kernel's argument array (one pointer per argument);
     /// the runtime copies the values before returning. `pdl`: with programmatic dependent
     /// launch (only where [`Caps::pdl`]).

@@ -326,10 +326,199 @@ __global__ void __launch_bounds__(MAXT, MINB) lab_t2(const GemvQ4Params p) {
 #define LAB_T2_GATE_UP(X) X(4, 2, 1, true, 160, 3) X(8, 2, 1, true, 160, 2) X(8, 2, 4, true, 160, 2) X(4, 3, 1, true, 160, 2)
 #define LAB_T2_DOWN(X) X(2, 3, 8, false, 544, 1) X(2, 2, 8, false, 544, 1) X(4, 2, 8, false, 544, 1) X(2, 4, 8, false, 544, 1)
 
-// ---- candidate TT: the weights through the bulk-copy engine --------------------------------
-// The production `_t` body (gemv_q4.cu gemv_q4_t_body: S stages of RB rows in shared memory,
-// filled by cp.async.bulk; scales and zeros DS − 1 batches ahead in registers; a barrier per F
-// batches) under other RB, S, DS and F.
+// ---- candidate TT: the weights through the bulk-copy engine (tried, not kept) --------------
+// The `_k` body with each batch's weights streamed by thread 0 of the block with `cp.async.bulk`
+// (the TMA engine: one instruction per contiguous range of rows, completion counted in bytes on
+// an mbarrier per stage) into a ring of S stages in dynamic shared memory, so that S batches
+// (40–200 KB per SM) are in flight without a register each; every thread reads its 16 bytes of a
+// row from the stage (LDS.128) and computes as Q4KDot does (bit-identical to `_k`); scales and
+// zero words stay register loads, DS − 1 batches ahead; a stage is refilled right after the
+// block barrier that follows its last reader (one per F batches). Measured on an H100
+// (2026-12-06 afternoon, docs/perf-notes.md): slower at every S, DS and F tried (gate|up 38.7–44.4
+// µs against TE's 35.4, down 27.0–32.4 against T2's 22.3–22.8; in production, graph + PDL, 41.2
+// and 24.8 µs against 34.3 and 20.7): the kernels do not wait on bytes in flight; ncu shows
+// DRAM 49–69 % busy, the same issued instructions as T2, fewer warps per scheduler (2.4 against
+// 3.6 for gate|up: the stages cap blocks per SM) and more LSU throttle (1.1–1.7 cycles per
+// instruction), with the barrier and scoreboard stalls of T2.
+// The bulk-copy primitives (sm_90 PTX). Until 1d12408 these and the body below were gemv_q4.cu's
+// `_t` kernels, and scripts/emu/portable.h had a synchronous host stand-in that checked the ring's
+// indexing and phases on a CPU.
+#if defined(TP_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define TP_Q4T 1
+// The stages: dynamic shared memory (the launcher's size).
+#define TP_Q4T_RING(name) extern __shared__ __align__(128) unsigned char name[]
+TP_DEV u32 q4t_smem(const void* p) {
+    u64 a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (u32)a;
+}
+TP_DEV void q4t_bar_init(u64* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(q4t_smem(bar)) : "memory");
+}
+// The barriers' initialisation made visible to the bulk-copy engine (the async proxy).
+TP_DEV void q4t_bar_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+// Arms a stage's barrier for `bytes` (one arrival, the only one it expects); the copies queued
+// on it next complete the phase as their bytes land.
+TP_DEV void q4t_expect(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(q4t_smem(bar)), "r"(bytes)
+                 : "memory");
+}
+TP_DEV void q4t_copy(unsigned char* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            q4t_smem(dst)),
+        "l"(src), "r"(bytes), "r"(q4t_smem(bar))
+        : "memory");
+}
+// Until the barrier's phase of parity `parity` has completed (its bytes have landed).
+TP_DEV void q4t_wait(u64* bar, u32 parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred ready;\n"
+        "q4t_again:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 ready, [%0], %1;\n"
+        "@!ready bra q4t_again;\n"
+        "}\n" ::"r"(q4t_smem(bar)),
+        "r"(parity)
+        : "memory");
+}
+#endif
+
+#if defined(TP_Q4T)
+template <int RB>
+struct Q4TSz {
+    u16 s[RB];
+    u32 z[RB];
+};
+
+// Thread 0: batch `b`'s rows into stage `st` (RB consecutive rows, or with the epilogue RB/2
+// gate rows and their RB/2 up rows; a last batch copies only the rows that exist, the stage's
+// other rows keep stale bytes whose sums are never written).
+template <int RB, bool EPI>
+TP_DEV void q4t_issue(const GemvQ4Params& p, unsigned char* ring, u64* bars, u32 b, u32 st) {
+    const u32 rowbytes = p.kq / 2;
+    unsigned char* dst = ring + (u64)st * RB * rowbytes;
+    u64* bar = bars + st;
+    const unsigned char* w = (const unsigned char*)p.qweight;
+    if (!EPI) {
+        const u32 r0 = b * RB, nr = q4_min(RB, p.n - r0);
+        q4t_expect(bar, nr * rowbytes);
+        q4t_copy(dst, w + (u64)r0 * rowbytes, nr * rowbytes, bar);
+    } else {
+        constexpr u32 H = RB / 2;
+        const u32 half = p.n / 2, i0 = b * H, nr = q4_min(H, half - i0);
+        q4t_expect(bar, 2 * nr * rowbytes);
+        q4t_copy(dst, w + (u64)i0 * rowbytes, nr * rowbytes, bar);
+        q4t_copy(dst + H * rowbytes, w + ((u64)half + i0) * rowbytes, nr * rowbytes, bar);
+    }
+}
+
+template <int RB, bool EPI>
+TP_DEV void q4t_load_sz(const u16* sp, const u32* zp, u32 sstride, u32 zstride, u32 b, u32 n,
+                        Q4TSz<RB>& o) {
+#pragma unroll
+    for (int r = 0; r < RB; ++r) {
+        const u64 row = q4k_row<RB, EPI>(b, r, n);
+        o.s[r] = sp[row * sstride];
+        o.z[r] = zp[row * zstride];
+    }
+}
+#endif
+
+// Dynamic shared memory: S stages of RB rows of kq / 2 bytes.
+template <int RB, bool EPI, int S, int DS, int F, class Dot = Q4KDot>
+TP_DEV void gemv_q4_t_body(const GemvQ4Params& p) {
+#if defined(TP_Q4T)
+    constexpr int L = RB == 1 ? 0 : RB == 2 ? 1 : RB == 4 ? 2 : RB == 8 ? 3 : 4;
+    static_assert((1 << L) == RB && RB <= 16, "RB a power of two up to 16");
+    static_assert(DS >= 2 && F >= 1 && S > F && F * RB <= TP_WAVE, "stages beyond a phase");
+    TP_Q4T_RING(q4t_ring);
+    __shared__ u64 bars[S];
+    __shared__ float red[2 * F][1024 / TP_WAVE][RB];  // [slot][wave][row]
+    const u32 t = threadIdx.x, lane = t % TP_WAVE, wave = t / TP_WAVE, waves = blockDim.x / TP_WAVE;
+    const u32 chunks = p.kq / 32, rowbytes = p.kq / 2;
+    const bool active = t < chunks;
+    const u32 c = active ? t : 0;
+    const u32 g = c * 32 / p.group;
+    const u32 zshift = 4 * (g % 8);
+    const u32 zstride = (p.groups + 7) / 8, sstride = p.groups;
+    const u16* sp = (const u16*)p.scales + g;
+    const u32* zp = (const u32*)p.zeros + g / 8;
+    constexpr u32 YB = EPI ? RB / 2 : RB;
+    const u32 yn = EPI ? p.n / 2 : p.n;
+    const u32 batches = (yn + YB - 1) / YB, G = gridDim.x;
+    const u32 b0 = blockIdx.x;
+    if (b0 >= batches) return;
+    // Local batch i of this block is b0 + i·G, in stage i % S, the barrier's phase i / S.
+    const u32 mine = (batches - b0 + G - 1) / G;
+    if (t == 0) {
+        for (int s = 0; s < S; ++s) q4t_bar_init(bars + s);
+        q4t_bar_fence();
+        for (u32 i = 0; i < (u32)S && i < mine; ++i) q4t_issue<RB, EPI>(p, q4t_ring, bars, b0 + i * G, i);
+    }
+    Q4TSz<RB> sz[DS];
+#pragma unroll
+    for (int d = 0; d < DS - 1; ++d) {
+        if ((u32)d < mine) q4t_load_sz<RB, EPI>(sp, zp, sstride, zstride, b0 + d * G, p.n, sz[d]);
+    }
+    __syncthreads();  // the barriers initialised before any thread waits on them
+    tp_pdl_wait();
+    typename Dot::Acts acts;
+    Dot::template acts<false>(p, c, active, acts);
+    u32 i = 0;  // local batches computed
+    while (i < mine) {
+#pragma unroll
+        for (int d = 0; d < DS; ++d) {
+            if (i < mine) {
+                if (i + DS - 1 < mine)
+                    q4t_load_sz<RB, EPI>(sp, zp, sstride, zstride, b0 + (i + DS - 1) * G, p.n,
+                                         sz[(d + DS - 1) % DS]);
+                const u32 st = i % S;
+                q4t_wait(bars + st, (i / S) & 1);
+                Q4KBatch<RB> cur;
+                const unsigned char* stage = q4t_ring + (u64)st * RB * rowbytes + c * 16;
+#pragma unroll
+                for (int r = 0; r < RB; ++r) {
+                    const uint4 v = *(const uint4*)(stage + r * rowbytes);
+                    cur.w[r].w[0] = v.x;
+                    cur.w[r].w[1] = v.y;
+                    cur.w[r].w[2] = v.z;
+                    cur.w[r].w[3] = v.w;
+                    cur.s[r] = sz[d].s[r];
+                    cur.z[r] = sz[d].z[r];
+                }
+                float v[RB];
+                Dot::template dots<RB>(cur, acts, zshift, v);
+                const float sum = q4k_wave_sums<RB, L>(v, lane);
+                if (lane % (TP_WAVE >> L) == 0) red[i % (2 * F)][wave][lane / (TP_WAVE >> L)] = sum;
+                ++i;
+                if (i == mine || i % F == 0) {
+                    __syncthreads();  // every thread is past the phase's stages and sums
+                    const u32 i0 = (i - 1) / F * F;
+                    if (t == 0) {
+                        for (u32 k = i0; k < i; ++k)
+                            if (k + S < mine) q4t_issue<RB, EPI>(p, q4t_ring, bars, b0 + (k + S) * G, k % S);
+                    }
+                    if (wave == 0) {
+                        const u32 j = lane / RB, r = lane % RB;
+                        float s = 0.0f;
+                        if (i0 + j < i) {
+                            for (u32 w = 0; w < waves; ++w) s += red[(i0 + j) % (2 * F)][w][r];
+                        }
+                        if (EPI) s = q4_silu_mul(s, tp_shfl_xor(s, YB));
+                        const u32 row = (b0 + (i0 + j) * G) * YB + r;
+                        if (i0 + j < i && r < YB && row < yn) ((float*)p.y)[row] = s;
+                    }
+                }
+            }
+        }
+    }
+#else
+    (void)p;  // sm_90 only
+#endif
+}
+
+
 template <int RB, int S, int DS, int F, bool EPI, int MAXT>
 __global__ void __launch_bounds__(MAXT, 1) lab_tt(const GemvQ4Params p) {
     gemv_q4_t_body<RB, EPI, S, DS, F>(p);

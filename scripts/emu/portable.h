@@ -4,14 +4,11 @@
 // __shared__ arrays static (blocks run one after another). Only for checking a kernel's
 // arithmetic and indexing without a GPU.
 #pragma once
-#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
-#include <utility>
 #include <vector>
 
 typedef unsigned char u8;
@@ -87,43 +84,4 @@ inline float tp_shfl_xor(float v, int off) {
 inline float tp_wave_sum(float v) {
     for (int m = TP_WAVE / 2; m > 0; m /= 2) v += tp_shfl_xor(v, m);
     return v;
-}
-
-// The bulk-copy primitives of gemv_q4.cu's `_t` kernels, synchronous: a copy lands at once and
-// a stage's barrier counts its completed phases (a phase completes when the bytes armed by
-// q4t_expect have all been copied); q4t_wait spins until the phase of the asked parity has
-// completed, as mbarrier.try_wait.parity does. Only thread 0 arms and copies (as on the GPU).
-#define TP_Q4T 1
-struct uint4 {
-    u32 x, y, z, w;
-};
-inline std::vector<unsigned char> emu_dyn_smem;  // the launcher sizes it per launch
-#define TP_Q4T_RING(name) unsigned char* name = emu_dyn_smem.data()
-inline std::vector<std::pair<u64*, u32>> emu_armed;  // barrier → bytes still to land
-inline void q4t_bar_init(u64* bar) { std::atomic_ref<u64>(*bar).store(0); }
-inline void q4t_bar_fence() {}
-inline void q4t_expect(u64* bar, u32 bytes) {
-    for (auto& a : emu_armed)
-        if (a.first == bar) {
-            if (a.second != 0) std::abort();  // re-armed before its phase completed
-            a.second = bytes;
-            return;
-        }
-    emu_armed.push_back({bar, bytes});
-}
-inline void q4t_copy(unsigned char* dst, const void* src, u32 bytes, u64* bar) {
-    if (bytes % 16 != 0 || (uintptr_t)dst % 16 != 0 || (uintptr_t)src % 16 != 0) std::abort();
-    if (dst < emu_dyn_smem.data() || dst + bytes > emu_dyn_smem.data() + emu_dyn_smem.size()) std::abort();
-    std::memcpy(dst, src, bytes);
-    for (auto& a : emu_armed)
-        if (a.first == bar) {
-            if (a.second < bytes) std::abort();  // more bytes than armed
-            a.second -= bytes;
-            if (a.second == 0) std::atomic_ref<u64>(*bar).fetch_add(1, std::memory_order_release);
-            return;
-        }
-    std::abort();  // a copy on a barrier never armed
-}
-inline void q4t_wait(u64* bar, u32 parity) {
-    while ((std::atomic_ref<u64>(*bar).load(std::memory_order_acquire) & 1) == parity) std::this_thread::yield();
 }

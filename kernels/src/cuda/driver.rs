@@ -85,7 +85,6 @@ unsafe impl Driver for CudaDriver {
             vmm: true,
             atomic_u64_peer_stores: true,
             mma_sync: true,
-            bulk_copy: true,
             pageable_copy_staged: true,
         }
     }
@@ -484,23 +483,6 @@ unsafe impl Driver for CudaDriver {
         }
         .map_err(err("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
         Ok(n.max(0) as u32)
-    }
-
-    unsafe fn set_max_dynamic_smem(&self, f: Function, bytes: u32) -> DResult<()> {
-        let bytes = i32::try_from(bytes).map_err(|_| DriverError {
-            code: sys::CUresult::CUDA_ERROR_INVALID_VALUE as i32,
-            call: "cuFuncSetAttribute",
-            message: format!("{bytes} bytes of shared memory"),
-        })?;
-        // SAFETY: per the contract.
-        unsafe {
-            dr::function::set_function_attribute(
-                f.0 as usize as sys::CUfunction,
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes,
-            )
-        }
-        .map_err(err("cuFuncSetAttribute"))
     }
 
     unsafe fn launch(

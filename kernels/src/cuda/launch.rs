@@ -126,9 +126,6 @@ pub(crate) struct Kernels {
     _modules: Vec<GpuModule>,
     /// For occupancy queries (kernels are launched through the [`Launcher`]'s copy).
     ctx: Arc<GpuCtx>,
-    /// Dynamic shared memory the bulk-copy int4 kernels (gemv_q4.cu `_t`) may take, or 0
-    /// where they cannot run (not sm_90+, no bulk copies, or the opt-in refused).
-    q4t_smem: u32,
 }
 
 /// The allreduce kernels of one dtype, in comm.cu's name order (`allreduce_{algo}_{dtype}`).
@@ -223,48 +220,11 @@ impl Kernels {
             table.push(list);
             modules.push(module);
         }
-        // The `_t` kernels stage S batches of rows in dynamic shared memory, above the 48 KiB
-        // a launch gets without opting in (sm_90: up to 227 KiB per block).
-        let sm = arch
-            .strip_prefix("sm_")
-            .and_then(|d| {
-                d.trim_end_matches(|c: char| c.is_ascii_alphabetic())
-                    .parse()
-                    .ok()
-            })
-            .unwrap_or(0u32);
-        let mut q4t_smem = 0;
-        if ctx.caps().bulk_copy && sm >= 90 {
-            let m = program::Module::GemvQ4 as usize;
-            let want = super::ops_gemv_q4::T_SMEM_MAX;
-            // SAFETY: the functions belong to the modules just loaded.
-            let set = super::ops_gemv_q4::T_KERNELS
-                .iter()
-                .all(|&i| unsafe { ctx.driver().set_max_dynamic_smem(table[m][i], want) }.is_ok());
-            if set {
-                q4t_smem = want;
-            }
-        }
         Ok(Kernels {
             table,
             _modules: modules,
             ctx: ctx.clone(),
-            q4t_smem,
         })
-    }
-
-    /// Dynamic shared memory the `_t` int4 kernels may take (0: they cannot run here).
-    pub(crate) fn q4t_smem(&self) -> u32 {
-        self.q4t_smem
-    }
-
-    /// Blocks of `threads` threads of `f` with `smem` bytes of dynamic shared memory that fit
-    /// on one SM.
-    pub(crate) fn occupancy_smem(&self, f: Function, threads: u32, smem: usize) -> Result<u32> {
-        self.ctx.bind()?;
-        // SAFETY: `f` belongs to one of our loaded modules.
-        unsafe { self.ctx.driver().occupancy(f, threads, smem) }
-            .map_err(driver_err("occupancy (max active blocks per SM)"))
     }
 
     /// Kernel `index` of `module`'s name list.
@@ -315,9 +275,6 @@ pub(crate) struct Launcher<'a> {
     pub pdl: bool,
     /// Whether the tensor-core kernels may run (sm_80+: mma.sync with bf16).
     pub mma: bool,
-    /// Whether the int4 decode products may stream their weights by bulk copies into shared
-    /// memory (gemv_q4.cu `_t`; sm_90+, see [`CudaDevice::set_bulk_copy`]).
-    pub bulk: bool,
     /// Kernel launches so far on this device (`Device::launches`).
     pub launches: &'a std::sync::atomic::AtomicU64,
 }

@@ -105,9 +105,6 @@ pub struct CudaDevice {
     /// Decode kernels launched with programmatic dependent launch; see
     /// [`CudaDevice::set_pdl`].
     pdl: AtomicBool,
-    /// The int4 decode products stream their weights by bulk copies; see
-    /// [`CudaDevice::set_bulk_copy`].
-    bulk: AtomicBool,
     /// Compute capability, major version (HIP reports gfx9 as 9).
     cc_major: i32,
     /// Kernel launches queued (or captured) so far.
@@ -203,7 +200,6 @@ impl CudaDevice {
             ll: AtomicBool::new(ll),
             small_copy_kernel: comm.small_copy_kernel,
             pdl: AtomicBool::new(false),
-            bulk: AtomicBool::new(caps.bulk_copy && cc_major >= 9 && kernels.q4t_smem() > 0),
             cc_major,
             launches: AtomicU64::new(0),
             last_timeout_ns: AtomicU64::new(0),
@@ -304,23 +300,6 @@ impl CudaDevice {
             .store(on && self.caps.pdl && self.cc_major >= 9, Ordering::Relaxed);
     }
 
-    /// Whether the int4 decode products (m = 1) stream their weights into shared memory by
-    /// bulk copies (gemv_q4.cu `_t`, the default where they can run: sm_90+ with the opt-in
-    /// shared memory) or hold them in registers (`_k`). The results are the same bit for bit;
-    /// the switch is for the selftest, which checks both, and for A/B timing.
-    pub fn set_bulk_copy(&self, on: bool) {
-        // Relaxed: a plain setting read at the next launch by the thread that queues it.
-        self.bulk.store(
-            on && self.caps.bulk_copy && self.cc_major >= 9 && self.kernels.q4t_smem() > 0,
-            Ordering::Relaxed,
-        );
-    }
-
-    /// Whether [`CudaDevice::set_bulk_copy`] is on.
-    pub fn bulk_copy(&self) -> bool {
-        self.bulk.load(Ordering::Relaxed)
-    }
-
     /// Whether kernels built on warp-level `mma.sync` may be picked (NVIDIA sm_80+ only).
     pub fn mma_sync(&self) -> bool {
         self.caps.mma_sync && self.cc_major >= 8
@@ -394,7 +373,6 @@ impl CudaDevice {
             // Relaxed: a plain setting, like comm_blocks.
             pdl: self.pdl.load(Ordering::Relaxed),
             mma: self.mma_sync(),
-            bulk: self.bulk_copy(),
             launches: &self.launches,
         }
     }

@@ -37,24 +37,7 @@ pub(crate) const NAMES: &[&str] = &[
     "gemm_q4_e",
     "gemv_q4_k_e",
     "gemv_q4_kb_e",
-    "gemv_q4_t",
-    "gemv_q4_tb",
-    "gemv_q4_t_e",
-    "gemv_q4_tb_e",
 ];
-
-/// The bulk-copy (`_t`) kernels, sm_90: [`NAMES`] indices, each the form of the `_k` kernel
-/// at the same place of [`K_OF_T`].
-pub(crate) const T_KERNELS: [usize; 4] = [12, 13, 14, 15];
-/// The `_k` kernel each of [`T_KERNELS`] replaces: `gemv_q4_k`, `_kb`, `_k_e`, `_kb_e`.
-const K_OF_T: [usize; 4] = [4, 6, 10, 11];
-/// Stages of rows in shared memory (gemv_q4.cu TP_Q4T_STAGES, TP_Q4T_STAGES_BIG).
-const T_STAGES: usize = 6;
-const T_STAGES_BIG: usize = 8;
-/// Dynamic shared memory the `_t` kernels are allowed (the opt-in at module load): the
-/// largest they take is 8 stages of 2 rows of 20480 / 2 bytes, 160 KiB, and the opt-in must
-/// leave room for their static shared memory within the SM's 227 KiB.
-pub(crate) const T_SMEM_MAX: u32 = 200 * 1024;
 
 /// Rows per batch of `gemv_q4_k*` (gemv_q4.cu TP_Q4K_ROWS) and of `gemv_q4_kb*`
 /// (TP_Q4K_ROWS_BIG).
@@ -111,26 +94,12 @@ fn kernel_index(m: usize, prologue: Prologue, epilogue: Epilogue) -> usize {
     2 * usize::from(m > 1) + usize::from(prologue == Prologue::SiluMul)
 }
 
-/// What one launch needs: the kernel, grid, block and dynamic shared memory.
+/// What one launch needs: the kernel, grid and block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Plan {
     index: usize,
     grid: (u32, u32, u32),
     block: u32,
-    smem: u32,
-}
-
-/// The bulk-copy form of `_k` kernel `k_index` for `kq` stored inputs: (its index, bytes of
-/// shared memory: its stages of rows).
-fn t_plan(k_index: usize, kq: usize) -> Option<(usize, usize)> {
-    let at = K_OF_T.iter().position(|&k| k == k_index)?;
-    let big = at % 2 == 1;
-    let (stages, rows) = if big {
-        (T_STAGES_BIG, K_ROWS_BIG)
-    } else {
-        (T_STAGES, K_ROWS)
-    };
-    Some((T_KERNELS[at], stages * rows * kq / 2))
 }
 
 /// One wave per R rows (R/2 rows of y with the epilogue: a wave's gate rows and their up
@@ -161,7 +130,6 @@ fn plan(m: usize, n: usize, prologue: Prologue, epilogue: Epilogue, sms: u32) ->
             1,
         ),
         block: waves as u32 * WAVE,
-        smem: 0,
     }
 }
 
@@ -245,39 +213,14 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
         && acts_aligned;
     let p = match k_plan(a.m, a.kq(), vec, a.prologue, a.epilogue) {
         Some((index, threads, rows)) => {
-            // A persistent grid: as many blocks as fit at once, each walking batches of rows;
-            // the bulk-copy form where it runs and its stages fit.
+            // A persistent grid: as many blocks as fit at once, each walking batches of rows.
+            let f = l.kernels.func(Module::GemvQ4, index);
+            let per_sm = l.kernels.occupancy(f, threads)?.max(1) as usize;
             let batches = a.epilogue.y_width(a.n).div_ceil(rows);
-            let grid = |per_sm: u32| (batches.min(per_sm as usize * l.sms as usize) as u32, 1, 1);
-            let mut plan = None;
-            if l.bulk {
-                if let Some((ti, smem)) = t_plan(index, a.kq()) {
-                    let f = l.kernels.func(Module::GemvQ4, ti);
-                    if smem <= l.kernels.q4t_smem() as usize {
-                        let per_sm = l.kernels.occupancy_smem(f, threads, smem)?;
-                        if per_sm > 0 {
-                            plan = Some(Plan {
-                                index: ti,
-                                grid: grid(per_sm),
-                                block: threads,
-                                smem: smem as u32,
-                            });
-                        }
-                    }
-                }
-            }
-            match plan {
-                Some(p) => p,
-                None => {
-                    let f = l.kernels.func(Module::GemvQ4, index);
-                    let per_sm = l.kernels.occupancy(f, threads)?.max(1);
-                    Plan {
-                        index,
-                        grid: grid(per_sm),
-                        block: threads,
-                        smem: 0,
-                    }
-                }
+            Plan {
+                index,
+                grid: (batches.min(per_sm * l.sms as usize) as u32, 1, 1),
+                block: threads,
             }
         }
         None => plan(a.m, a.n, a.prologue, a.epilogue, l.sms),
@@ -305,7 +248,7 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
     // which kernels/src/int4.rs keeps when it builds them), and
     // the views' buffers outlive the queued launch (callers keep them until the stream is
     // synchronised or the graph destroyed).
-    unsafe { l.launch_fn(f, p.grid, p.block, p.smem, &mut params) }
+    unsafe { l.launch_fn(f, p.grid, p.block, 0, &mut params) }
 }
 
 /// The shape of a twin case.
@@ -541,23 +484,9 @@ pub(crate) fn selftest(
     cpu: &CpuDevice,
     seed: u64,
 ) -> Result<Vec<SelftestResult>> {
-    let mut out: Vec<SelftestResult> = cases(seed ^ 0x6771_3467) // "gq4g"
+    cases(seed ^ 0x6771_3467) // "gq4g"
         .map(|c| twin::run(gpu, cpu, &c))
-        .collect::<Result<_>>()?;
-    // Where the decode cases took the bulk-copy kernels, the register ones (`_k`) again.
-    if gpu.bulk_copy() {
-        gpu.set_bulk_copy(false);
-        let k: Result<Vec<SelftestResult>> = cases(seed ^ 0x6771_3467)
-            .filter(|c| c.s.m == 1)
-            .map(|c| twin::run(gpu, cpu, &c))
-            .collect();
-        gpu.set_bulk_copy(true);
-        out.extend(k?.into_iter().map(|mut r| {
-            r.op.push_str(" (weights in registers)");
-            r
-        }));
-    }
-    Ok(out)
+        .collect()
 }
 
 #[cfg(test)]
@@ -590,18 +519,6 @@ mod tests {
         assert_eq!(k_plan(2, 5120, true, none, ne), None);
         assert_eq!(k_plan(1, 5120, false, none, ne), None);
         assert_eq!(k_plan(2, 5120, true, none, epi), None);
-        // Each `_k` kernel of the plain and epilogue forms has a bulk-copy form; the prologue
-        // ones (which decode no longer runs) do not.
-        let t = |i, kq| t_plan(i, kq).map(|(j, s)| (NAMES[j], s));
-        assert_eq!(t(4, 5120), Some(("gemv_q4_t", 6 * 4 * 2560)));
-        assert_eq!(t(6, 17408), Some(("gemv_q4_tb", 8 * 2 * 8704)));
-        assert_eq!(t(10, 5120), Some(("gemv_q4_t_e", 6 * 4 * 2560)));
-        assert_eq!(t(11, 17408), Some(("gemv_q4_tb_e", 8 * 2 * 8704)));
-        assert_eq!(t(5, 5120), None);
-        assert_eq!(t(7, 17408), None);
-        // The largest stages still fit the opt-in.
-        assert!(t_plan(11, 640 * 32).unwrap().1 <= T_SMEM_MAX as usize);
-        assert!(t_plan(10, 256 * 32).unwrap().1 <= T_SMEM_MAX as usize);
     }
 
     /// The `#define`s of gemv_q4.cu must equal the Rust mirrors, and every kernel of NAMES
@@ -616,15 +533,12 @@ mod tests {
         assert_eq!(def("TP_Q4_TOKENS"), TOKENS.to_string());
         assert_eq!(def("TP_Q4K_ROWS"), K_ROWS.to_string());
         assert_eq!(def("TP_Q4K_ROWS_BIG"), K_ROWS_BIG.to_string());
-        assert_eq!(def("TP_Q4T_STAGES"), T_STAGES.to_string());
-        assert_eq!(def("TP_Q4T_STAGES_BIG"), T_STAGES_BIG.to_string());
         let at: Vec<usize> = NAMES
             .iter()
             .map(|n| {
                 let plain = src.find(&format!("TP_GEMV_Q4_KERNEL({n},"));
                 plain
                     .or_else(|| src.find(&format!("TP_GEMV_Q4K_KERNEL({n},")))
-                    .or_else(|| src.find(&format!("TP_GEMV_Q4T_KERNEL({n},")))
                     .unwrap_or_else(|| panic!("{n} instantiated"))
             })
             .collect();

@@ -222,7 +222,6 @@ unsafe impl Driver for HipDriver {
             vmm: false,
             atomic_u64_peer_stores: false,
             mma_sync: false,
-            bulk_copy: false,
             pageable_copy_staged: false,
         }
     }
