@@ -214,10 +214,6 @@ impl<B> Rope<'_, B> {
 ///
 /// Rows are tokens of the same sequence in order, so a prompt run as one call leaves the state
 /// that running its tokens one by one leaves.
-///
-/// With `norm`, the layer's closing [`GatedRmsNorm`] follows in the same op: each (row, head)
-/// of `out` becomes `out / √(mean(out²) + eps) · w · silu(z)`, exactly that op over `out` in
-/// place (one launch on the GPU instead of two).
 pub struct GatedDelta<'a, B> {
     pub qkv: View<'a, B>,
     pub b: View<'a, B>,
@@ -231,19 +227,6 @@ pub struct GatedDelta<'a, B> {
     pub v_heads: usize,
     pub dk: usize,
     pub dv: usize,
-    pub norm: Option<DeltaNorm<'a, B>>,
-}
-
-/// The gated RMSNorm folded into a [`GatedDelta`]: `z`: [rows, v_heads, dv] f32 (the gate, not
-/// overlapping `out`), `w`: [dv] f32, `eps`; and `done`: [v_heads] u32, zeros, which the op
-/// leaves zeros (the GPU kernel counts there which column blocks of each head have finished,
-/// and the last one normalises the head; the CPU twin does not touch it). One `done` may serve
-/// every layer, since the ops of a stream run one after another.
-pub struct DeltaNorm<'a, B> {
-    pub z: View<'a, B>,
-    pub w: View<'a, B>,
-    pub eps: f32,
-    pub done: View<'a, B>,
 }
 
 /// A Gated DeltaNet layer's short causal convolution, `rows` tokens in order: per channel c,
@@ -330,13 +313,7 @@ impl<B> GatedDelta<'_, B> {
         expect("gated_delta", "a_log", &self.a_log, vh, F32)?;
         expect("gated_delta", "dt_bias", &self.dt_bias, vh, F32)?;
         expect("gated_delta", "state", &self.state, vh * dk * dv, F32)?;
-        expect("gated_delta", "out", &self.out, self.rows * vh * dv, F32)?;
-        if let Some(n) = &self.norm {
-            expect("gated_delta", "z", &n.z, self.rows * vh * dv, F32)?;
-            expect("gated_delta", "norm w", &n.w, dv, F32)?;
-            expect("gated_delta", "done", &n.done, vh, U32)?;
-        }
-        Ok(())
+        expect("gated_delta", "out", &self.out, self.rows * vh * dv, F32)
     }
 }
 

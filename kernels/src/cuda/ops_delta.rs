@@ -90,13 +90,8 @@ struct DeltaParams {
     dk: u32,
     dv: u32,
     scale: f32,
-    z: u64,
-    norm_w: u64,
-    done: u64,
-    eps: f32,
-    pad: u32,
 }
-const _: () = assert!(std::mem::size_of::<DeltaParams>() == 112);
+const _: () = assert!(std::mem::size_of::<DeltaParams>() == 80);
 
 /// delta.cu `struct GnormParams`.
 #[repr(C)]
@@ -248,20 +243,6 @@ fn gated_delta(l: &Launcher<'_>, a: &ops::GatedDelta<'_, CudaBuf>) -> Result<()>
         check_alias(OP, &a.state, v, &format!("state (against {what})"), false)?;
     }
     check_alias(OP, &a.out, &a.state, "out (against state)", false)?;
-    // The folded norm reads z and w after out is written, and counts in done.
-    let (z, norm_w, done, eps) = match &a.norm {
-        None => (0, 0, 0, 0.0),
-        Some(n) => {
-            for (v, what) in [(&n.z, "z"), (&n.w, "norm w"), (&n.done, "done")] {
-                check_alias(OP, &a.out, v, &format!("out (against {what})"), false)?;
-                check_alias(OP, &a.state, v, &format!("state (against {what})"), false)?;
-            }
-            for v in [&a.qkv, &a.b, &a.a, &a.a_log, &a.dt_bias, &n.z, &n.w] {
-                check_alias(OP, &n.done, v, "done (against an input)", false)?;
-            }
-            (addr(&n.z, OP)?, addr(&n.w, OP)?, addr(&n.done, OP)?, n.eps)
-        }
-    };
     // The twin's 1/√dk, rounded to f32 the same way.
     let scale = 1.0 / (a.dk as f32).sqrt();
     let mut p = DeltaParams {
@@ -278,11 +259,6 @@ fn gated_delta(l: &Launcher<'_>, a: &ops::GatedDelta<'_, CudaBuf>) -> Result<()>
         dk: a.dk as u32,
         dv: to_u32("gated_delta dv", a.dv)?,
         scale,
-        z,
-        norm_w,
-        done,
-        eps,
-        pad: 0,
     };
     if a.rows == 0 {
         return Ok(());
@@ -436,9 +412,6 @@ struct DeltaCase {
     dv: usize,
     /// a of up to 64: a + dt_bias past softplus's threshold of 20 (the linear branch).
     wide_a: bool,
-    /// The gated RMSNorm folded in (ops::DeltaNorm): z and w inputs, `done` zeros that must
-    /// stay zeros.
-    norm: bool,
     seed: u64,
 }
 
@@ -451,14 +424,13 @@ impl DeltaCase {
 impl TwinCase for DeltaCase {
     fn name(&self) -> String {
         format!(
-            "gated_delta rows {} heads {}/{} dk {} dv {}{}{}",
+            "gated_delta rows {} heads {}/{} dk {} dv {}{}",
             self.rows,
             self.v_heads,
             self.k_heads,
             self.dk,
             self.dv,
-            if self.wide_a { " wide a" } else { "" },
-            if self.norm { " + gated norm" } else { "" }
+            if self.wide_a { " wide a" } else { "" }
         )
     }
     fn shape(&self) -> (DType, usize) {
@@ -473,7 +445,7 @@ impl TwinCase for DeltaCase {
         let a_log: Vec<f32> = (0..vh)
             .map(|_| (1.0 + 15.0 * unit(&mut rng)).ln())
             .collect();
-        let mut v = vec![
+        vec![
             Buf::input(DType::F32, f32s(&mut rng, rows * self.width(), -3..=1)),
             Buf::input(DType::F32, f32s(&mut rng, rows * vh, -3..=1)),
             Buf::input(
@@ -488,17 +460,7 @@ impl TwinCase for DeltaCase {
             Buf::input(DType::F32, f32s(&mut rng, vh, -4..=-1)),
             Buf::inout(DType::F32, f32s(&mut rng, vh * self.dk * self.dv, -5..=-2)),
             Buf::output(DType::F32, rows * vh * self.dv),
-        ];
-        if self.norm {
-            // z of a few units (in_proj's), norm weights around 1.
-            v.push(Buf::input(
-                DType::F32,
-                f32s(&mut rng, rows * vh * self.dv, -3..=1),
-            ));
-            v.push(Buf::input(DType::F32, f32s(&mut rng, self.dv, -1..=0)));
-            v.push(Buf::inout(DType::U32, vec![0u8; 4 * vh]));
-        }
-        v
+        ]
     }
     fn op<'a, B>(&self, v: &'a [View<'a, B>]) -> Op<'a, B> {
         Op::GatedDelta(ops::GatedDelta {
@@ -514,12 +476,6 @@ impl TwinCase for DeltaCase {
             v_heads: self.v_heads,
             dk: self.dk,
             dv: self.dv,
-            norm: self.norm.then(|| ops::DeltaNorm {
-                z: v[7],
-                w: v[8],
-                eps: 1e-6,
-                done: v[9],
-            }),
         })
     }
     fn tol(&self) -> Tol {
@@ -546,27 +502,18 @@ fn delta_cases(seed: u64) -> Vec<DeltaCase> {
         (33, 2, 4, 64, 64, false),
         (3, 2, 6, 128, 128, true),
     ];
-    // The gated norm folded in (the decode step's form): the two 27B decode shapes, a
-    // prefill, odd sizes (dv of one partial column block: a single block per head is its own
-    // last), the largest dk, a long prefill.
-    let folded = [0usize, 1, 2, 6, 7, 8, 9];
-    let plain = shapes.iter().map(|&s| (s, false));
-    let norm = folded.iter().map(|&i| (shapes[i], true));
-    plain
-        .chain(norm)
+    shapes
+        .iter()
         .enumerate()
-        .map(
-            |(i, ((rows, k_heads, v_heads, dk, dv, wide_a), norm))| DeltaCase {
-                rows,
-                k_heads,
-                v_heads,
-                dk,
-                dv,
-                wide_a,
-                norm,
-                seed: seed.wrapping_add((i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)),
-            },
-        )
+        .map(|(i, &(rows, k_heads, v_heads, dk, dv, wide_a))| DeltaCase {
+            rows,
+            k_heads,
+            v_heads,
+            dk,
+            dv,
+            wide_a,
+            seed: seed.wrapping_add((i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)),
+        })
         .collect()
 }
 
@@ -752,14 +699,11 @@ mod tests {
         let n = check(&cpu, conv_cases(&mut rng))
             + check(&cpu, delta_cases(9))
             + check(&cpu, gnorm_cases(&mut rng));
-        assert_eq!(n, 32);
+        assert_eq!(n, 25);
         // Both gated_delta kernels, ratio 3, rows > 1 and the linear softplus branch are
         // covered.
         let d = delta_cases(1);
         assert!(d.iter().any(|c| c.dk > 128) && d.iter().any(|c| c.dk == 128));
-        // The folded norm: a decode and a prefill, a head of one column block and of several.
-        assert!(d.iter().any(|c| c.norm && c.rows == 1 && c.dv == 128));
-        assert!(d.iter().any(|c| c.norm && c.rows > 1 && c.dv <= 16));
         assert!(d.iter().any(|c| c.v_heads == 3 * c.k_heads && c.rows > 1));
         assert!(d.iter().any(|c| c.wide_a) && d.iter().any(|c| c.rows == 1));
     }
@@ -841,7 +785,6 @@ mod tests {
             dk: 128,
             dv: 128,
             wide_a: false,
-            norm: false,
             seed: 17,
         };
         let whole = twin::run_alone(dev, &case).unwrap();
@@ -863,7 +806,6 @@ mod tests {
                 v_heads: vh,
                 dk: case.dk,
                 dv: case.dv,
-                norm: None,
             }))
             .unwrap();
         }
@@ -923,20 +865,16 @@ mod tests {
         let mut rng = Rng::new(3);
         for (kh, vh, rows) in [(4usize, 12usize, 1usize), (16, 48, 1), (4, 12, 64)] {
             let (d, channels) = (128usize, 2 * kh * 128 + vh * 128);
-            // Alone, and with the gated norm folded in (its launch saved).
-            for norm in [false, true] {
-                let delta = DeltaCase {
-                    rows,
-                    k_heads: kh,
-                    v_heads: vh,
-                    dk: d,
-                    dv: d,
-                    wide_a: false,
-                    norm,
-                    seed: 3,
-                };
-                time(&gpu, &delta, 2 * vh * d * d * 4);
-            }
+            let delta = DeltaCase {
+                rows,
+                k_heads: kh,
+                v_heads: vh,
+                dk: d,
+                dv: d,
+                wide_a: false,
+                seed: 3,
+            };
+            time(&gpu, &delta, 2 * vh * d * d * 4);
             // The reference: a device copy of the state's size (read + written), which pays
             // the same fixed costs.
             let n = vh * d * d;

@@ -1,14 +1,11 @@
 // delta.cu: the three ops of a Gated DeltaNet layer (Qwen3.5's `linear_attention`):
 // `Op::CausalConv` (the short depthwise convolution + SiLU), `Op::GatedDelta` (the gated delta
 // rule through one sequence's recurrent state) and `Op::GatedRmsNorm` (the closing norm, gated
-// by SiLU(z)). The exact math and shapes are the op structs' docs in kernels/src/ops.rs. The
-// decode step runs the closing norm inside gated_delta (ops::DeltaNorm, dn_close_head): one
-// launch fewer per DeltaNet layer; gated_rms_norm stays for the op itself.
+// by SiLU(z)). The exact math and shapes are the op structs' docs in kernels/src/ops.rs.
 //
 // Owns: these kernels and their parameter structs. Must not: allocate, synchronise with the
 // host, or keep anything between launches (the conv window and the state live in the
-// caller's buffers, so one captured graph replays for every token; the folded norm's counters
-// are the caller's too, and every launch leaves them zeros).
+// caller's buffers, so one captured graph replays for every token).
 //
 // CPU twins: kernels/src/cpu/ops/delta.rs. Launchers and the Rust mirrors of the parameter
 // structs (same sizes, asserted): kernels/src/cuda/ops_delta.rs.
@@ -58,20 +55,6 @@
 // silu(x) = x / (1 + e^−x): the twin's expression (cpu/ops/delta.rs, as elementwise.rs);
 // e^−x overflowing to inf gives ±0 as on the CPU.
 TP_DEV float dn_silu(float x) { return x / (1.0f + expf(-x)); }
-
-// Sum of v over the block, to every thread (blockDim.x a multiple of TP_WAVE, ≤ 1024): as
-// decode.cu's tp_block_sum, waves in butterfly order then the wave sums in wave order. Every
-// thread must call it; two barriers.
-TP_DEV float dn_block_sum(float v) {
-    __shared__ float part[1024 / TP_WAVE];
-    v = tp_wave_sum(v);
-    if (threadIdx.x % TP_WAVE == 0) part[threadIdx.x / TP_WAVE] = v;
-    __syncthreads();
-    float t = 0.0f;
-    for (u32 i = 0; i < blockDim.x / TP_WAVE; ++i) t += part[i];
-    __syncthreads();  // the next call may overwrite `part`
-    return t;
-}
 
 // ---- CausalConv -------------------------------------------------------------------------
 
@@ -141,7 +124,7 @@ extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_CONV_THREADS, 1) causal_conv(Conv
 
 // ---- GatedDelta -------------------------------------------------------------------------
 
-// Arguments of gated_delta. 112 bytes.
+// Arguments of gated_delta. 80 bytes.
 struct DeltaParams {
     u64 qkv;      // [rows, 2·k_heads·dk + v_heads·dv] f32, each row [q | k | v]
     u64 b;        // [rows, v_heads] f32
@@ -156,12 +139,6 @@ struct DeltaParams {
     u32 dk;       // ≤ TP_DELTA_DKMAX
     u32 dv;
     float scale;  // 1/√dk, rounded to f32 on the host as the twin does
-    // The folded gated RMSNorm (ops::DeltaNorm), or done = 0: none.
-    u64 z;        // [rows, v_heads, dv] f32
-    u64 norm_w;   // [dv] f32
-    u64 done;     // [v_heads] u32, zeros on entry and on exit
-    float eps;
-    u32 pad;
 };
 
 // Σ of a and of b over the block, returned to every thread: each wave adds in butterfly order
@@ -208,43 +185,6 @@ TP_DEV DeltaIn dn_load(const DeltaParams& p, u32 row, u32 key, u32 h, u32 j) {
 
 // softplus(x) = ln(1 + eˣ), linear above 20: the twin's (and torch's F.softplus) threshold.
 TP_DEV float dn_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
-
-// The folded gated RMSNorm (ops::DeltaNorm) of value head h, by the last of its column blocks to
-// finish. Each block, once all its threads are past their out stores (the barrier), has thread
-// 0 fence (cumulative: the block's stores it is ordered after become visible device-wide first)
-// and count the block in done[h]; the block that counts last (it alone sees gridDim.x − 1
-// before its add) resets done[h] for the next launch, fences again (the other blocks' stores
-// seen), and after a barrier normalises, for each row, the head's dv outputs as gated_rms_norm
-// does (the same expressions; the sum of squares a block tree sum of 256 threads): out = out ·
-// 1/√(mean(out²) + eps) · w · silu(z), reading the other blocks' outputs with volatile loads
-// (from L2). One atomic and a block's pass over rows · dv floats after the recurrence, instead
-// of a second launch.
-TP_DEV void dn_close_head(const DeltaParams& p, u32 h) {
-    __shared__ u32 last;
-    u32* done = (u32*)p.done;
-    __syncthreads();  // every out store of the block before thread 0's fence and count
-    if (threadIdx.x == 0) {
-        __threadfence();
-        last = atomicAdd(done + h, 1u) + 1 == gridDim.x;
-        if (last) {
-            done[h] = 0;  // every block of h has counted: none reads or adds again
-            __threadfence();
-        }
-    }
-    __syncthreads();
-    if (!last) return;  // the whole block: no barrier below for it
-    const u32 dv = p.dv, T = blockDim.x;
-    const float* w = (const float*)p.norm_w;
-    for (u32 row = 0; row < p.rows; ++row) {
-        const u64 at = ((u64)row * p.v_heads + h) * dv;
-        volatile float* out = (volatile float*)p.out + at;
-        const float* z = (const float*)p.z + at;
-        float ss = 0.0f;
-        for (u32 e = threadIdx.x; e < dv; e += T) ss += out[e] * out[e];
-        const float inv = 1.0f / sqrtf(dn_block_sum(ss) / (float)dv + p.eps);
-        for (u32 e = threadIdx.x; e < dv; e += T) out[e] = out[e] * inv * w[e] * dn_silu(z[e]);
-    }
-}
 
 // The gated delta rule of one value head h over a slice of its value columns, rows in order.
 // Per row (key head key = h / (v_heads / k_heads)):
@@ -378,7 +318,6 @@ TP_DEV void gated_delta(const DeltaParams& p) {
         const u32 i = g + TP_DELTA_GROUPS * r;
         if (col && i < dk) S[(u64)i * dv] = s[r];
     }
-    if (p.done != 0) dn_close_head(p, h);
 }
 
 // The two instantiations, by the rows a thread holds: dk ≤ 128 (Qwen3.5, Qwen3-Next) keeps 8
@@ -401,6 +340,20 @@ struct GnormParams {
     float eps;
     u32 pad;
 };
+
+// Sum of v over the block, to every thread (blockDim.x a multiple of TP_WAVE, ≤ 1024): as
+// decode.cu's tp_block_sum, waves in butterfly order then the wave sums in wave order. Every
+// thread must call it; two barriers.
+TP_DEV float dn_block_sum(float v) {
+    __shared__ float part[1024 / TP_WAVE];
+    v = tp_wave_sum(v);
+    if (threadIdx.x % TP_WAVE == 0) part[threadIdx.x / TP_WAVE] = v;
+    __syncthreads();
+    float t = 0.0f;
+    for (u32 i = 0; i < blockDim.x / TP_WAVE; ++i) t += part[i];
+    __syncthreads();  // the next call may overwrite `part`
+    return t;
+}
 
 // Per row (a head of a token): out = (x · 1/√(mean(x²) + eps)) · w · silu(z), the twin's
 // order of the products; the sum of squares is a block tree sum.

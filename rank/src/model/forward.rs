@@ -102,7 +102,7 @@ struct Sizes {
     /// f32 elements of one DeltaNet layer's conv state and recurrent state (0, 0 if none).
     delta: (usize, usize),
     /// f32 elements of each scratch buffer, in [`Scratch`]'s field order.
-    scratch: [usize; 15],
+    scratch: [usize; 14],
 }
 
 impl Sizes {
@@ -142,14 +142,12 @@ impl Sizes {
             _ => 0,
         };
         let (mut delta_in, mut delta_out, mut channels, mut delta) = (0, 0, 0, (0, 0));
-        let mut v_heads = 0;
         if let Some(hy) = &cfg.hybrid {
             let (nk, nv) = (plan.lin_k_heads.len(), plan.lin_v_heads.len());
             channels = 2 * nk * hy.dk + nv * hy.dv;
             delta_in = channels + nv * hy.dv + 2 * nv;
             delta_out = nv * hy.dv;
             delta = (channels * (hy.conv_kernel - 1), nv * hy.dk * hy.dv);
-            v_heads = nv;
         }
         let scratch = [
             chunk * h,
@@ -166,7 +164,6 @@ impl Sizes {
             cfg.vocab,
             chunk * h,
             (chunk * channels).max(1),
-            v_heads.max(1),
         ];
         Ok(Sizes {
             max_seq,
@@ -266,9 +263,6 @@ struct Scratch<B> {
     x2: B,
     /// A DeltaNet layer's conv output (q|k|v after SiLU) [C, channels].
     conv: B,
-    /// u32 [value heads], zeros: the gated delta op's count of finished column blocks per head
-    /// (ops::DeltaNorm::done; every launch leaves it zeros, so all layers share it).
-    delta_done: B,
 }
 
 /// The step state, u32 in device memory: `[token, position, ids[C], positions[C],
@@ -656,14 +650,12 @@ impl<D: Device> Model<D> {
             full_logits: next()?,
             x2: next()?,
             conv: next()?,
-            delta_done: next()?,
         };
         dev.write(
             &s.inv_freq,
             0,
             &tprun_kernels::dtype::encode(DType::F32, &cfg.inv_freq()),
         )?;
-        dev.write(&s.delta_done, 0, &vec![0u8; sizes.scratch[14] * 4])?;
         let step = Step {
             buf: dev.alloc(sizes.step_words() * 4)?,
             chunk: sizes.chunk,
@@ -1792,9 +1784,7 @@ impl<D: Device> Model<D> {
             kernel: hy.conv_kernel,
         }))?;
         // att = the gated delta rule over S (q, k L2-normed; β = σ(b);
-        // g = −exp(A_log)·softplus(a + dt_bias)), then att = norm(att) · silu(z) per value
-        // head, in the same op (on the GPU the last block of each head normalises it: one
-        // launch fewer per layer)
+        // g = −exp(A_log)·softplus(a + dt_bias))
         let att = f32v(&s.att, m * vd);
         dev.run(&Op::GatedDelta(ops::GatedDelta {
             qkv: conv,
@@ -1809,12 +1799,17 @@ impl<D: Device> Model<D> {
             v_heads: nv,
             dk: hy.dk,
             dv: hy.dv,
-            norm: Some(ops::DeltaNorm {
-                z,
-                w: dw.norm.view(),
-                eps: cfg.rms_eps,
-                done: View::new(&s.delta_done, 0, nv, DType::U32),
-            }),
+        }))?;
+        // att = norm(att) · silu(z)   per value head (folded into gated_delta's last block
+        // per head it measured level: docs/perf-notes.md, 2026-12-06)
+        dev.run(&Op::GatedRmsNorm(ops::GatedRmsNorm {
+            x: att,
+            z,
+            w: dw.norm.view(),
+            out: att,
+            rows: m * nv,
+            dim: hy.dv,
+            eps: cfg.rms_eps,
         }))?;
         // o = out_proj(att)
         dev.run(&Op::Matmul(ops::Matmul {

@@ -59,23 +59,21 @@ pub(crate) fn causal_conv(a: &ops::CausalConv<'_, CpuBuf>) -> Result<()> {
     write_f32(&a.out, &out)
 }
 
-/// Per row of `d` elements: `x ← x / √(mean(x²) + eps) · w · silu(z)`, in place.
-fn gated_norm_rows(x: &mut [f32], z: &[f32], w: &[f32], d: usize, eps: f32) {
-    for (xr, zr) in x.chunks_exact_mut(d).zip(z.chunks_exact(d)) {
-        let ss: f32 = xr.iter().map(|v| v * v).sum();
-        let inv = 1.0 / (ss / d as f32 + eps).sqrt();
-        for j in 0..d {
-            xr[j] = (xr[j] * inv) * w[j] * silu(zr[j]);
-        }
-    }
-}
-
 pub(crate) fn gated_rms_norm(a: &ops::GatedRmsNorm<'_, CpuBuf>) -> Result<()> {
-    let mut x = read_f32(&a.x)?;
+    let d = a.dim;
+    let x = read_f32(&a.x)?;
     let z = read_f32(&a.z)?;
     let w = read_f32(&a.w)?;
-    gated_norm_rows(&mut x, &z, &w, a.dim, a.eps);
-    write_f32(&a.out, &x)
+    let mut out = vec![0.0f32; a.rows * d];
+    for r in 0..a.rows {
+        let xr = &x[r * d..(r + 1) * d];
+        let ss: f32 = xr.iter().map(|v| v * v).sum();
+        let inv = 1.0 / (ss / d as f32 + a.eps).sqrt();
+        for j in 0..d {
+            out[r * d + j] = (xr[j] * inv) * w[j] * silu(z[r * d + j]);
+        }
+    }
+    write_f32(&a.out, &out)
 }
 
 pub(crate) fn gated_delta(a: &ops::GatedDelta<'_, CpuBuf>) -> Result<()> {
@@ -129,10 +127,6 @@ pub(crate) fn gated_delta(a: &ops::GatedDelta<'_, CpuBuf>) -> Result<()> {
                 }
             }
         }
-    }
-    if let Some(n) = &a.norm {
-        let (z, w) = (read_f32(&n.z)?, read_f32(&n.w)?);
-        gated_norm_rows(&mut out, &z, &w, dv, n.eps);
     }
     write_f32(&a.state, &state)?;
     write_f32(&a.out, &out)
@@ -221,7 +215,6 @@ mod tests {
                 v_heads: vh,
                 dk,
                 dv,
-                norm: None,
             })
         }
     }
@@ -304,62 +297,6 @@ mod tests {
                 "{shape:?}"
             );
         }
-    }
-
-    /// With `norm`, the op equals GatedDelta then GatedRmsNorm over its output, bit for bit,
-    /// and leaves `done` as it found it (zeros).
-    #[test]
-    fn folded_gated_norm_equals_the_two_ops() {
-        let dev = CpuDevice::new(0, 2, 0);
-        let shape = (3usize, 2usize, 6usize, 16usize, 24usize);
-        let (rows, _, vh, _, dv) = shape;
-        let inp = inputs(9, shape);
-        let mut rng = Rng::new(10);
-        let z = upload(&dev, DType::F32, &rng.vec_sym(rows * vh * dv));
-        let w = upload(&dev, DType::F32, &rng.vec_sym(dv));
-        let done = upload_u32(&dev, &vec![0u32; vh]);
-        let f = |b, n| View::new(b, 0, n, DType::F32);
-        let two = case(&dev, &inp, shape);
-        dev.run(&two.op(rows, 0)).unwrap();
-        let out = f(&two.bufs[6], rows * vh * dv);
-        dev.run(&Op::GatedRmsNorm(crate::ops::GatedRmsNorm {
-            x: out,
-            z: f(&z, rows * vh * dv),
-            w: f(&w, dv),
-            out,
-            rows: rows * vh,
-            dim: dv,
-            eps: 1e-6,
-        }))
-        .unwrap();
-        let one = case(&dev, &inp, shape);
-        // The op with the norm folded in, its `done` of `n` counters.
-        let folded = |n: usize| {
-            let Op::GatedDelta(mut g) = one.op(rows, 0) else {
-                unreachable!()
-            };
-            g.norm = Some(crate::ops::DeltaNorm {
-                z: f(&z, rows * vh * dv),
-                w: f(&w, dv),
-                eps: 1e-6,
-                done: View::new(&done, 0, n, DType::U32),
-            });
-            Op::GatedDelta(g)
-        };
-        dev.run(&folded(vh)).unwrap();
-        for i in [5, 6] {
-            let n = one.bufs[i].len() / 4;
-            assert_eq!(
-                download(&dev, &one.bufs[i], DType::F32, n),
-                download(&dev, &two.bufs[i], DType::F32, n)
-            );
-        }
-        assert!(download(&dev, &done, DType::F32, vh)
-            .iter()
-            .all(|&v| v == 0.0));
-        // A `done` of the wrong length is refused.
-        let e = dev.run(&folded(vh - 1)).unwrap_err().to_string();
-        assert!(e.contains("done"), "{e}");
     }
 
     /// The convolution against an f64 one over the whole padded sequence (zeros before the
