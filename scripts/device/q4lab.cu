@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(MAXT, 1) lab_te(const GemvQ4Params p) {
 #define TS_LB 64  // local batches a cluster may take (the host checks)
 template <int RB, int S, bool SILU, int MAXT, int MINB>
 __global__ void __launch_bounds__(MAXT, MINB) lab_ts(const GemvQ4Params p) {
-    constexpr int L = RB == 1 ? 0 : RB == 2 ? 1 : RB == 4 ? 2 : 3;
+    constexpr int L = q4k_log2(RB);
     __shared__ float part[MAXT / 32][TS_LB][RB];
     __shared__ float sum_b[TS_LB][RB];
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -252,24 +252,20 @@ __global__ void __launch_bounds__(MAXT, MINB) lab_ts(const GemvQ4Params p) {
     const u32 chunks = p.kq / 32, per = chunks / S;
     const bool active = t < per;
     const u32 c = rank * per + (active ? t : 0);
-    const u32 g = c * 32 / p.group, zshift = 4 * (g % 8);
-    const u32 zstride = (p.groups + 7) / 8, wstride = p.kq / 8, sstride = p.groups;
-    const u32* wp = (const u32*)p.qweight + c * 4;
-    const u16* sp = (const u16*)p.scales + g;
-    const u32* zp = (const u32*)p.zeros + g / 8;
+    const Q4KPlace at(p, c);
     const u32 batches = (p.n + RB - 1) / RB, cl = blockIdx.x / S, ncl = gridDim.x / S;
     Q4KBatch<RB> A, B;
     u32 b = cl;
-    if (b < batches) q4k_load<RB, false>(wp, sp, zp, wstride, sstride, zstride, b, p.n, A);
+    if (b < batches) at.load<RB, false>(b, p.n, A);
     Q4KActs acts;
     Q4KDot::acts<SILU>(p, c, active, acts);
     u32 lb = 0;
     auto step = [&](Q4KBatch<RB>& cur, Q4KBatch<RB>& nxt) -> bool {
         const u32 b2 = b + ncl;
         const bool more = b2 < batches;
-        if (more) q4k_load<RB, false>(wp, sp, zp, wstride, sstride, zstride, b2, p.n, nxt);
+        if (more) at.load<RB, false>(b2, p.n, nxt);
         float v[RB];
-        Q4KDot::dots<RB>(cur, acts, zshift, v);
+        Q4KDot::dots<RB>(cur, acts, at.zshift, v);
         const float sum = q4k_wave_sums<RB, L>(v, lane);
         if (lane % (32 >> L) == 0) part[wave][lb][lane / (32 >> L)] = sum;
         ++lb;
@@ -413,14 +409,15 @@ TP_DEV void q4t_issue(const GemvQ4Params& p, unsigned char* ring, u64* bars, u32
     }
 }
 
+// The scales and zero words of batch b's rows for the thread at `at` (its weights come by the
+// stages).
 template <int RB, bool EPI>
-TP_DEV void q4t_load_sz(const u16* sp, const u32* zp, u32 sstride, u32 zstride, u32 b, u32 n,
-                        Q4TSz<RB>& o) {
+TP_DEV void q4t_load_sz(const Q4KPlace& at, u32 b, u32 n, Q4TSz<RB>& o) {
 #pragma unroll
     for (int r = 0; r < RB; ++r) {
         const u64 row = q4k_row<RB, EPI>(b, r, n);
-        o.s[r] = sp[row * sstride];
-        o.z[r] = zp[row * zstride];
+        o.s[r] = at.sp[row * at.sstride];
+        o.z[r] = at.zp[row * at.zstride];
     }
 }
 #endif
@@ -429,21 +426,17 @@ TP_DEV void q4t_load_sz(const u16* sp, const u32* zp, u32 sstride, u32 zstride, 
 template <int RB, bool EPI, int S, int DS, int F, class Dot = Q4KDot>
 TP_DEV void gemv_q4_t_body(const GemvQ4Params& p) {
 #if defined(TP_Q4T)
-    constexpr int L = RB == 1 ? 0 : RB == 2 ? 1 : RB == 4 ? 2 : RB == 8 ? 3 : 4;
+    constexpr int L = q4k_log2(RB);
     static_assert((1 << L) == RB && RB <= 16, "RB a power of two up to 16");
     static_assert(DS >= 2 && F >= 1 && S > F && F * RB <= TP_WAVE, "stages beyond a phase");
     TP_Q4T_RING(q4t_ring);
     __shared__ u64 bars[S];
     __shared__ float red[2 * F][1024 / TP_WAVE][RB];  // [slot][wave][row]
     const u32 t = threadIdx.x, lane = t % TP_WAVE, wave = t / TP_WAVE, waves = blockDim.x / TP_WAVE;
-    const u32 chunks = p.kq / 32, rowbytes = p.kq / 2;
-    const bool active = t < chunks;
+    const u32 rowbytes = p.kq / 2;
+    const bool active = t < p.kq / 32;
     const u32 c = active ? t : 0;
-    const u32 g = c * 32 / p.group;
-    const u32 zshift = 4 * (g % 8);
-    const u32 zstride = (p.groups + 7) / 8, sstride = p.groups;
-    const u16* sp = (const u16*)p.scales + g;
-    const u32* zp = (const u32*)p.zeros + g / 8;
+    const Q4KPlace at(p, c);
     constexpr u32 YB = EPI ? RB / 2 : RB;
     const u32 yn = EPI ? p.n / 2 : p.n;
     const u32 batches = (yn + YB - 1) / YB, G = gridDim.x;
@@ -459,7 +452,7 @@ TP_DEV void gemv_q4_t_body(const GemvQ4Params& p) {
     Q4TSz<RB> sz[DS];
 #pragma unroll
     for (int d = 0; d < DS - 1; ++d) {
-        if ((u32)d < mine) q4t_load_sz<RB, EPI>(sp, zp, sstride, zstride, b0 + d * G, p.n, sz[d]);
+        if ((u32)d < mine) q4t_load_sz<RB, EPI>(at, b0 + d * G, p.n, sz[d]);
     }
     __syncthreads();  // the barriers initialised before any thread waits on them
     tp_pdl_wait();
@@ -471,7 +464,7 @@ TP_DEV void gemv_q4_t_body(const GemvQ4Params& p) {
         for (int d = 0; d < DS; ++d) {
             if (i < mine) {
                 if (i + DS - 1 < mine)
-                    q4t_load_sz<RB, EPI>(sp, zp, sstride, zstride, b0 + (i + DS - 1) * G, p.n,
+                    q4t_load_sz<RB, EPI>(at, b0 + (i + DS - 1) * G, p.n,
                                          sz[(d + DS - 1) % DS]);
                 const u32 st = i % S;
                 q4t_wait(bars + st, (i / S) & 1);
@@ -488,7 +481,7 @@ TP_DEV void gemv_q4_t_body(const GemvQ4Params& p) {
                     cur.z[r] = sz[d].z[r];
                 }
                 float v[RB];
-                Dot::template dots<RB>(cur, acts, zshift, v);
+                Dot::template dots<RB>(cur, acts, at.zshift, v);
                 const float sum = q4k_wave_sums<RB, L>(v, lane);
                 if (lane % (TP_WAVE >> L) == 0) red[i % (2 * F)][wave][lane / (TP_WAVE >> L)] = sum;
                 ++i;
@@ -553,21 +546,15 @@ TP_DEV void q4b_arrive(u64* bar) {
 template <int RB, bool EPI, int D, int SLOTS, int LAG>
 TP_DEV void gemv_q4_tb_body(const GemvQ4Params& p) {
 #if defined(TP_Q4T)
-    constexpr int L = RB == 1 ? 0 : RB == 2 ? 1 : RB == 4 ? 2 : RB == 8 ? 3 : 4;
+    constexpr int L = q4k_log2(RB);
     static_assert((1 << L) == RB && RB <= 16 && RB >= 2, "RB a power of two, 2 to 16");
     static_assert(D >= 2 && LAG >= 0 && LAG < SLOTS, "sets; wave 0 lags less than the ring");
     __shared__ float red[SLOTS][1024 / TP_WAVE][RB];  // [slot][wave][row]
     __shared__ u64 full[SLOTS], empty[SLOTS];
     const u32 t = threadIdx.x, lane = t % TP_WAVE, wave = t / TP_WAVE, waves = blockDim.x / TP_WAVE;
-    const u32 chunks = p.kq / 32;
-    const bool active = t < chunks;
+    const bool active = t < p.kq / 32;
     const u32 c = active ? t : 0;
-    const u32 g = c * 32 / p.group;
-    const u32 zshift = 4 * (g % 8);
-    const u32 zstride = (p.groups + 7) / 8, wstride = p.kq / 8, sstride = p.groups;
-    const u32* wp = (const u32*)p.qweight + c * 4;
-    const u16* sp = (const u16*)p.scales + g;
-    const u32* zp = (const u32*)p.zeros + g / 8;
+    const Q4KPlace at(p, c);
     constexpr u32 YB = EPI ? RB / 2 : RB;
     const u32 yn = EPI ? p.n / 2 : p.n;
     const u32 batches = (yn + YB - 1) / YB, G = gridDim.x, b0 = blockIdx.x;
@@ -583,7 +570,7 @@ TP_DEV void gemv_q4_tb_body(const GemvQ4Params& p) {
     Q4KBatch<RB> set[D];
 #pragma unroll
     for (int d = 0; d < D - 1; ++d) {
-        if ((u32)d < mine) q4k_load<RB, EPI>(wp, sp, zp, wstride, sstride, zstride, b0 + d * G, p.n, set[d]);
+        if ((u32)d < mine) at.load<RB, EPI>(b0 + d * G, p.n, set[d]);
     }
     __syncthreads();  // the barriers initialised; the only block barrier
     tp_pdl_wait();
@@ -607,10 +594,9 @@ TP_DEV void gemv_q4_tb_body(const GemvQ4Params& p) {
         for (int d = 0; d < D; ++d) {
             if (i < mine) {
                 if (i + D - 1 < mine)
-                    q4k_load<RB, EPI>(wp, sp, zp, wstride, sstride, zstride, b0 + (i + D - 1) * G, p.n,
-                                      set[(d + D - 1) % D]);
+                    at.load<RB, EPI>(b0 + (i + D - 1) * G, p.n, set[(d + D - 1) % D]);
                 float v[RB];
-                Q4KDot::dots<RB>(set[d], acts, zshift, v);
+                Q4KDot::dots<RB>(set[d], acts, at.zshift, v);
                 const float sum = q4k_wave_sums<RB, L>(v, lane);
                 const u32 s = i % SLOTS;
                 if (i >= (u32)SLOTS) q4t_wait(empty + s, (i / SLOTS - 1) & 1);

@@ -458,18 +458,40 @@ struct Q4KBatch {
     u32 z[RB];
 };
 
-// This thread's chunk of batch b's rows.
-template <int RB, bool EPI>
-TP_DEV void q4k_load(const u32* wp, const u16* sp, const u32* zp, u32 wstride, u32 sstride,
-                     u32 zstride, u32 b, u32 n, Q4KBatch<RB>& bt) {
-#pragma unroll
-    for (int r = 0; r < RB; ++r) {
-        const u64 row = q4k_row<RB, EPI>(b, r, n);
-        bt.w[r] = q4_ld<4>(wp + row * wstride);
-        bt.s[r] = sp[row * sstride];
-        bt.z[r] = zp[row * zstride];
+// log2 of a batch's rows (RB a power of two up to 16; the bodies assert it).
+TP_DEV constexpr int q4k_log2(int rb) { return rb <= 1 ? 0 : 1 + q4k_log2(rb / 2); }
+
+// Where the thread of 32-input chunk c reads in every row: its weight words, its group's scale
+// and zero word (row 0 here, a row's stride apart), and the zero's shift within its word.
+struct Q4KPlace {
+    const u32* wp;
+    const u16* sp;
+    const u32* zp;
+    u32 wstride, sstride, zstride, zshift;
+
+    TP_DEV Q4KPlace(const GemvQ4Params& p, u32 c) {
+        const u32 g = c * 32 / p.group;
+        wp = (const u32*)p.qweight + c * 4;
+        sp = (const u16*)p.scales + g;
+        zp = (const u32*)p.zeros + g / 8;
+        wstride = p.kq / 8;
+        sstride = p.groups;
+        zstride = (p.groups + 7) / 8;
+        zshift = 4 * (g % 8);
     }
-}
+
+    // This thread's chunk of batch b's rows.
+    template <int RB, bool EPI>
+    TP_DEV void load(u32 b, u32 n, Q4KBatch<RB>& bt) const {
+#pragma unroll
+        for (int r = 0; r < RB; ++r) {
+            const u64 row = q4k_row<RB, EPI>(b, r, n);
+            bt.w[r] = q4_ld<4>(wp + row * wstride);
+            bt.s[r] = sp[row * sstride];
+            bt.z[r] = zp[row * zstride];
+        }
+    }
+};
 
 // Chunk c's 32 activations f(x) as integers in three signed-byte limbs, for dp4a. X_j =
 // rint(a_j · 2^e) with e per thread, the power of two that brings the chunk's largest below
@@ -607,20 +629,14 @@ TP_DEV float q4k_wave_sums(float (&v)[RB], u32 lane) {
 template <int RB, bool SILU, bool EPI, int D, int F, class Dot = Q4KDot>
 TP_DEV void gemv_q4_k_body(const GemvQ4Params& p) {
     static_assert(!(SILU && EPI) && (!EPI || RB >= 2), "one of prologue and epilogue; pairs");
-    constexpr int L = RB == 1 ? 0 : RB == 2 ? 1 : RB == 4 ? 2 : RB == 8 ? 3 : 4;
+    constexpr int L = q4k_log2(RB);
     static_assert((1 << L) == RB && RB <= 16, "RB a power of two up to 16");
     static_assert(D >= 2 && F >= 1 && F * RB <= TP_WAVE, "sets; one wave does a phase's sums");
     __shared__ float red[2 * F][1024 / TP_WAVE][RB];  // [slot][wave][row]
     const u32 t = threadIdx.x, lane = t % TP_WAVE, wave = t / TP_WAVE, waves = blockDim.x / TP_WAVE;
-    const u32 chunks = p.kq / 32;
-    const bool active = t < chunks;
+    const bool active = t < p.kq / 32;
     const u32 c = active ? t : 0;  // an idle thread reads chunk 0 and weighs it by zero
-    const u32 g = c * 32 / p.group;
-    const u32 zshift = 4 * (g % 8);
-    const u32 zstride = (p.groups + 7) / 8, wstride = p.kq / 8, sstride = p.groups;
-    const u32* wp = (const u32*)p.qweight + c * 4;
-    const u16* sp = (const u16*)p.scales + g;
-    const u32* zp = (const u32*)p.zeros + g / 8;
+    const Q4KPlace at(p, c);
     // With the epilogue, y's rows are n / 2 and a batch writes RB / 2 of them.
     constexpr u32 YB = EPI ? RB / 2 : RB;
     const u32 yn = EPI ? p.n / 2 : p.n;
@@ -631,7 +647,7 @@ TP_DEV void gemv_q4_k_body(const GemvQ4Params& p) {
 #pragma unroll
     for (int d = 0; d < D - 1; ++d) {
         if (b + d * G < batches)
-            q4k_load<RB, EPI>(wp, sp, zp, wstride, sstride, zstride, b + d * G, p.n, set[d]);
+            at.load<RB, EPI>(b + d * G, p.n, set[d]);
     }
     tp_pdl_wait();
     typename Dot::Acts acts;
@@ -645,9 +661,9 @@ TP_DEV void gemv_q4_k_body(const GemvQ4Params& p) {
                 // The set computed one step ago takes the batch D − 1 ahead.
                 const u32 ahead = b + (D - 1) * G;
                 if (ahead < batches)
-                    q4k_load<RB, EPI>(wp, sp, zp, wstride, sstride, zstride, ahead, p.n, set[(d + D - 1) % D]);
+                    at.load<RB, EPI>(ahead, p.n, set[(d + D - 1) % D]);
                 float v[RB];
-                Dot::template dots<RB>(set[d], acts, zshift, v);
+                Dot::template dots<RB>(set[d], acts, at.zshift, v);
                 const float sum = q4k_wave_sums<RB, L>(v, lane);
                 if (lane % (TP_WAVE >> L) == 0) red[i % (2 * F)][wave][lane / (TP_WAVE >> L)] = sum;
                 ++i;
