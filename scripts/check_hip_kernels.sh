@@ -20,11 +20,15 @@ if ! command -v hipcc >/dev/null; then
     exit 1
 fi
 out="${1:-}"
+# hipcc (ROCm 5.2) leaves an empty <source>-XXXXXX folder in $TMPDIR per compile: give it one
+# of ours, removed on exit with the code objects unless out-dir was given.
+scratch="$(mktemp -d)"
 if [ -z "$out" ]; then
-    out="$(mktemp -d)"
-    trap 'rm -rf "$out"' EXIT
+    out="$scratch/out"
 fi
-mkdir -p "$out"
+trap 'rm -rf "$scratch"' EXIT
+mkdir -p "$out" "$scratch/tmp"
+export TMPDIR="$scratch/tmp"
 
 # hipcc runs rocm_agent_enumerator to find a local GPU when no target is given; targets are
 # always given here, and ROCM_TARGET_LST silences the enumerator on machines without /dev/kfd.
