@@ -622,6 +622,19 @@ __global__ void __launch_bounds__(MAXT, MINB) lab_tb(const GemvQ4Params p) {
 #define LAB_TB_GATE_UP(X) X(4, 2, 4, 1, true, 160, 3) X(4, 2, 4, 2, true, 160, 3) X(4, 2, 8, 3, true, 160, 3) X(8, 2, 4, 1, true, 160, 2)
 #define LAB_TB_DOWN(X) X(2, 3, 8, 2, false, 544, 1) X(2, 3, 16, 4, false, 544, 1) X(4, 2, 8, 2, false, 544, 1)
 
+// ---- candidate TR: rows by waves over x's limbs staged in shared memory (q4tr.cuh) ----------
+#include "q4tr.cuh"
+template <int R, bool EPI, int D, int MAXT, int MINB>
+__global__ void __launch_bounds__(MAXT, MINB) lab_tr(const GemvQ4Params p) {
+    extern __shared__ V16 lab_tr_sm[];
+    gemv_q4_tr_body<R, EPI, D>(p, lab_tr_sm);
+}
+// As X(R, D, EPI, waves per block, MINB, persistent grid).
+#define LAB_TR_GATE_UP(X) X(4, 2, true, 8, 2, false) X(4, 3, true, 8, 2, false) X(4, 3, true, 8, 2, true) \
+    X(2, 3, true, 8, 3, false) X(2, 4, true, 8, 2, false)
+#define LAB_TR_DOWN(X) X(4, 3, false, 4, 3, false) X(2, 4, false, 8, 2, false) X(4, 2, false, 8, 2, false) \
+    X(2, 3, false, 4, 3, false)
+
 // ---- baseline TF: the float form production had until 2026-12-06 ---------------------------
 // Each thread's 32 activations as f32 (pre-scaled for the subnormal reading of nibbles), per
 // word a mask and an FFMA per nibble (2.1 instructions per weight), z applied as z · Σ a. The
@@ -1464,6 +1477,29 @@ int main(int argc, char** argv) {
             LAB_TB_GATE_UP(LAB_TB_ADD)
         } else if (!sh.silu) {
             LAB_TB_DOWN(LAB_TB_ADD)
+        }
+        // TR: rows by waves, x's limbs in shared memory; one row group per wave unless persistent.
+        auto add_tr = [&](auto kern, int R, int D, int NW, int MINB, bool epi, bool persist) {
+            const u32 smem = Q4TR_SMEM_BYTES(kq);
+            CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+            int per_sm = 0;
+            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, NW * 32, smem));
+            const u32 yb = epi ? R / 2 : R, nb = ((epi ? sh.n / 2 : sh.n) + yb - 1) / yb;
+            const u32 blocks = (nb + NW - 1) / NW;
+            const u32 grid = persist ? std::min<u32>(blocks, per_sm * sms) : blocks;
+            char name[96];
+            snprintf(name, sizeof name, "TR%s R%d D%d w%d minb%d %uKB %d/SM grid %u", epi ? "E" : "", R, D, NW,
+                     MINB, smem / 1024, per_sm, grid);
+            Variant v{name, true,
+                      [=](const GemvQ4Params& p, cudaStream_t s) { kern<<<grid, NW * 32, smem, s>>>(p); }, epi};
+            vs.push_back(v);
+        };
+#define LAB_TR_ADD(R, D, EPI, NW, MINB, PERSIST) \
+    add_tr(lab_tr<R, EPI, D, NW * 32, MINB>, R, D, NW, MINB, EPI, PERSIST);
+        if (!sh.silu && sh.k <= 8192) {
+            LAB_TR_GATE_UP(LAB_TR_ADD)
+        } else if (!sh.silu) {
+            LAB_TR_DOWN(LAB_TR_ADD)
         }
         // TF: the float form (the production body before dp4a).
 #define LAB_TF_ADD(RB, D, F, EPI, MAXT, MINB) add_t2(lab_tf<RB, D, F, EPI, MAXT, MINB>, RB, D, F, MINB, EPI, "TF");
