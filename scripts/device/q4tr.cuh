@@ -51,9 +51,11 @@ TP_DEV void gemv_q4_tr_body(const GemvQ4Params& p, V16* sm) {
         const u32* wp = (const u32*)p.qweight + c * 4;
         const u16* sp = (const u16*)p.scales + g;
         const u32* zp = (const u32*)p.zeros + g / 8;
+        // 32-bit offsets (the lab's matrices have under 2^32 words of qweight): one IMAD each
+        // instead of a 64-bit product.
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            const u64 row = q4k_row<R, EPI>(b, r, p.n);
+            const u32 row = q4k_row<R, EPI>(b, r, p.n);
             bt.w[r] = q4_ld<4>(wp + row * wstride);
             bt.s[r] = sp[row * p.groups];
             bt.z[r] = zp[row * zstride];
