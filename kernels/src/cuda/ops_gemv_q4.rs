@@ -42,7 +42,7 @@ pub(crate) const NAMES: &[&str] = &[
 /// Rows per batch of `gemv_q4_k*` (gemv_q4.cu TP_Q4K_ROWS) and of `gemv_q4_kb*`
 /// (TP_Q4K_ROWS_BIG).
 const K_ROWS: usize = 4;
-const K_ROWS_BIG: usize = 2;
+const K_ROWS_BIG: usize = 4;
 /// Threads per block the `gemv_q4_k*` kernels are built for (their launch bounds), and the
 /// `gemv_q4_kb*` ones: one thread per 32 stored inputs, so kq up to 20480 takes this path.
 const K_MAX_THREADS: usize = 256;
@@ -505,16 +505,16 @@ mod tests {
         assert_eq!(NAMES[kernel_index(4, none, epi)], "gemm_q4_e");
         let ke = |kq| k_plan(1, kq, true, none, epi).map(|(i, t, r)| (NAMES[i], t, r));
         assert_eq!(ke(5120), Some(("gemv_q4_k_e", 160, 2)));
-        assert_eq!(ke(17408), Some(("gemv_q4_kb_e", 544, 1)));
+        assert_eq!(ke(17408), Some(("gemv_q4_kb_e", 544, 2)));
         let k = |kq, pro| k_plan(1, kq, true, pro, ne).map(|(i, t, r)| (NAMES[i], t, r));
         assert_eq!(k(5120, Prologue::None), Some(("gemv_q4_k", 160, 4)));
         assert_eq!(k(4352, Prologue::SiluMul), Some(("gemv_q4_k_silu", 160, 4)));
         assert_eq!(
             k(17408, Prologue::SiluMul),
-            Some(("gemv_q4_kb_silu", 544, 2))
+            Some(("gemv_q4_kb_silu", 544, 4))
         );
-        assert_eq!(k(17408, Prologue::None), Some(("gemv_q4_kb", 544, 2)));
-        assert_eq!(k(20480, Prologue::None), Some(("gemv_q4_kb", 640, 2)));
+        assert_eq!(k(17408, Prologue::None), Some(("gemv_q4_kb", 544, 4)));
+        assert_eq!(k(20480, Prologue::None), Some(("gemv_q4_kb", 640, 4)));
         assert_eq!(k(20512, Prologue::None), None);
         assert_eq!(k_plan(2, 5120, true, none, ne), None);
         assert_eq!(k_plan(1, 5120, false, none, ne), None);

@@ -443,11 +443,16 @@ TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
 // at D 2, F 8, 26.1 at D 4 (spills); in production 23.4 → 21.4 µs. gate|up (160 threads, 3 blocks
 // per SM at 126 registers) gains from neither: D 3 costs a block per SM (40.8 µs against 37.9), F 8
 // costs 1.2 µs (one wave's 32 serial sums per phase), L2 prefetches (`prefetch.global.L2`, 3–5
-// batches ahead) nothing.
+// batches ahead) nothing. Down again (H100, 2026-12-06 evening): RB 4 at D 2 (the same two rows
+// of loads in flight per thread as RB 2 at D 3, in fewer, wider batches: half the barriers and
+// wave-0 sums per row; 96 registers and 16 bytes of stack) 22.2 µs in the lab against 22.8, in
+// production (`bench gemv --quant int4`, graph + PDL) 20.48 against 20.72 µs, decode level (94.2
+// against 94.3 tok/s). Rows by waves over x's limbs staged in shared memory (lab TR) and the
+// barrier-free sums (lab TB) lost on both shapes.
 #define TP_Q4K_ROWS 4        // RB of gemv_q4_k* (blocks of at most 256 threads)
-#define TP_Q4K_ROWS_BIG 2    // RB of gemv_q4_kb* (up to 640 threads: the registers allow 2)
+#define TP_Q4K_ROWS_BIG 4    // RB of gemv_q4_kb* (up to 640 threads)
 #define TP_Q4K_SETS 2        // D of gemv_q4_k*: register sets of batch loads (D − 1 ahead)
-#define TP_Q4K_SETS_BIG 3    // D of gemv_q4_kb*
+#define TP_Q4K_SETS_BIG 2    // D of gemv_q4_kb*
 #define TP_Q4K_FLUSH 1       // F of gemv_q4_k*: batches per barrier
 #define TP_Q4K_FLUSH_BIG 8   // F of gemv_q4_kb*
 
