@@ -8,13 +8,9 @@
 #   [LAB=1] OUT=DIR scripts/device/issue11.sh TPRUN_BINARY
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
-bin="$(realpath "${1:?tprun binary}")"
-out="${OUT:-$root/out}"
-mkdir -p "$out"
 . "$root/scripts/device/common.sh"
-export TPRUN_KERNEL_CACHE="${TPRUN_KERNEL_CACHE:-/tmp/tprun-kernel-cache}"
-tprun_nvrtc_link
-status=0
+tprun_ab "${1:?tprun binary}"  # $out, the kernel cache, libnvrtc, status=0
+bin="${bins[0]}"
 m=/tmp/tprun-q35-27b
 trap 'rm -rf "$m"' EXIT
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
