@@ -10,16 +10,13 @@ tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 cp "$root/scripts/emu/portable.h" "$root/scripts/emu/elem.h" "$root/scripts/emu/emulate_gemv_q4.cpp" "$tmp/"
 cp "$root/kernels/src/gpu/gemv_q4.cu" "$tmp/"
-# EMU_TR=1: also the lab's candidate TR (scripts/device/q4tr.cuh).
-tr=""
-if [ "${EMU_TR:-0}" = 1 ]; then cp "$root/scripts/device/q4tr.cuh" "$tmp/"; tr="-DEMU_TR"; fi
 for variant in subnormal magic; do
     # CUDA: subnormal nibbles, odd nibbles in place for dp4a.u32.s32; HIP: 2^23 + q − 2^23,
     # odd nibbles shifted down for the signed dot4.
     flags="-DTP_Q4K_ODD_SHIFT=4"
     [ "$variant" = magic ] && flags="-DEMU_MAGIC -DTP_Q4K_ODD_SHIFT=0"
     echo "== nibbles read as on $([ "$variant" = magic ] && echo HIP || echo CUDA) ($variant)"
-    g++ -std=c++20 -O1 -pthread -Wall -Wno-unused-function -Wno-unknown-pragmas $flags $tr \
+    g++ -std=c++20 -O1 -pthread -Wall -Wno-unused-function -Wno-unknown-pragmas $flags \
         -o "$tmp/emu" "$tmp/emulate_gemv_q4.cpp"
     timeout 300 "$tmp/emu" | grep -v '^ok'
 done

@@ -520,120 +520,12 @@ __global__ void __launch_bounds__(MAXT, 1) lab_tt(const GemvQ4Params p) {
 #define LAB_TT_GATE_UP(X) X(4, 4, 4, 1, true, 160) X(4, 6, 4, 1, true, 160) X(4, 8, 4, 1, true, 160) X(8, 4, 3, 1, true, 160) X(4, 6, 2, 1, true, 160) X(4, 8, 4, 2, true, 160)
 #define LAB_TT_DOWN(X) X(2, 8, 4, 4, false, 544) X(2, 6, 4, 2, false, 544) X(2, 8, 4, 1, false, 544) X(4, 6, 4, 2, false, 544) X(2, 10, 4, 4, false, 544) X(2, 12, 4, 8, false, 544)
 
-// ---- candidate TB: the `_k` body without its block barrier (not yet run on a GPU) ------------
-// Nsight Compute on T2 (2026-12-06, H100) puts the barrier per batch (or phase) among the top
-// stalls (gate|up 2.0 cycles per issued instruction, down 1.0). Here no wave waits for the
-// others: each wave leaves its RB sums of batch i in slot i % SLOTS of shared memory and arrives
-// (lane 0, after __syncwarp) on that slot's `full` mbarrier (count: the block's waves); wave 0
-// alone waits there, LAG batches behind its own, adds the waves' sums in wave order (the same
-// order, so the same results as `_k`) and writes y, then arrives on the slot's `empty` mbarrier
-// (count 1), which a wave waits on before it writes the slot again, SLOTS batches later. So
-// waves run up to SLOTS batches apart and none stalls on a barrier; the loads are `_k`'s (D
-// register sets, D − 1 batches ahead). LAG < SLOTS (wave 0 never waits on a slot it has yet to
-// release); after its last batch wave 0 drains the rest. sm_90 (mbarrier.try_wait), CUDA only.
-// Written 2026-12-06 with no device time left: its indexing, slots and waits were checked once on
-// a CPU (scripts/emulate_gemv_q4.sh's harness with host stand-ins for the mbarriers and
-// __syncwarp; 7 cases of 1, 5 and 12 waves, the ring wrapping, within 1.6e-7 of f64), not timed.
-#if defined(TP_Q4T)
-TP_DEV void q4b_init(u64* bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(q4t_smem(bar)), "r"(count) : "memory");
-}
-TP_DEV void q4b_arrive(u64* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(q4t_smem(bar)) : "memory");
-}
-#endif
-
-template <int RB, bool EPI, int D, int SLOTS, int LAG>
-TP_DEV void gemv_q4_tb_body(const GemvQ4Params& p) {
-#if defined(TP_Q4T)
-    constexpr int L = q4k_log2(RB);
-    static_assert((1 << L) == RB && RB <= 16 && RB >= 2, "RB a power of two, 2 to 16");
-    static_assert(D >= 2 && LAG >= 0 && LAG < SLOTS, "sets; wave 0 lags less than the ring");
-    __shared__ float red[SLOTS][1024 / TP_WAVE][RB];  // [slot][wave][row]
-    __shared__ u64 full[SLOTS], empty[SLOTS];
-    const u32 t = threadIdx.x, lane = t % TP_WAVE, wave = t / TP_WAVE, waves = blockDim.x / TP_WAVE;
-    const bool active = t < p.kq / 32;
-    const u32 c = active ? t : 0;
-    const Q4KPlace at(p, c);
-    constexpr u32 YB = EPI ? RB / 2 : RB;
-    const u32 yn = EPI ? p.n / 2 : p.n;
-    const u32 batches = (yn + YB - 1) / YB, G = gridDim.x, b0 = blockIdx.x;
-    if (b0 >= batches) return;
-    const u32 mine = (batches - b0 + G - 1) / G;  // local batch i is b0 + i·G
-    if (t == 0) {
-        for (int s = 0; s < SLOTS; ++s) {
-            q4b_init(full + s, waves);
-            q4b_init(empty + s, 1);
-        }
-        q4t_bar_fence();
-    }
-    Q4KBatch<RB> set[D];
-#pragma unroll
-    for (int d = 0; d < D - 1; ++d) {
-        if ((u32)d < mine) at.load<RB, EPI>(b0 + d * G, p.n, set[d]);
-    }
-    __syncthreads();  // the barriers initialised; the only block barrier
-    tp_pdl_wait();
-    Q4KActs acts;
-    Q4KDot::acts<false>(p, c, active, acts);
-    // Wave 0: batch j's sums over the waves, in wave order, into y; then the slot is free.
-    auto consume = [&](u32 j) {
-        const u32 s = j % SLOTS, r = lane % RB;
-        q4t_wait(full + s, (j / SLOTS) & 1);
-        float sum = 0.0f;
-        for (u32 w = 0; w < waves; ++w) sum += red[s][w][r];
-        if (EPI) sum = q4_silu_mul(sum, tp_shfl_xor(sum, YB));
-        const u32 row = (b0 + j * G) * YB + r;
-        if (lane < YB && row < yn) ((float*)p.y)[row] = sum;
-        __syncwarp();  // every lane's reads of the slot before the release
-        if (lane == 0) q4b_arrive(empty + s);
-    };
-    u32 i = 0, done = 0;  // batches made by this wave; consumed (wave 0)
-    while (i < mine) {
-#pragma unroll
-        for (int d = 0; d < D; ++d) {
-            if (i < mine) {
-                if (i + D - 1 < mine)
-                    at.load<RB, EPI>(b0 + (i + D - 1) * G, p.n, set[(d + D - 1) % D]);
-                float v[RB];
-                Q4KDot::dots<RB>(set[d], acts, at.zshift, v);
-                const float sum = q4k_wave_sums<RB, L>(v, lane);
-                const u32 s = i % SLOTS;
-                if (i >= (u32)SLOTS) q4t_wait(empty + s, (i / SLOTS - 1) & 1);
-                if (lane % (TP_WAVE >> L) == 0) red[s][wave][lane / (TP_WAVE >> L)] = sum;
-                __syncwarp();  // the wave's sums before its arrival
-                if (lane == 0) q4b_arrive(full + s);
-                ++i;
-                if (wave == 0 && done + LAG < i) consume(done++);
-            }
-        }
-    }
-    if (wave == 0)
-        while (done < mine) consume(done++);
-#else
-    (void)p;  // sm_90 only
-#endif
-}
-template <int RB, bool EPI, int D, int SLOTS, int LAG, int MAXT, int MINB>
-__global__ void __launch_bounds__(MAXT, MINB) lab_tb(const GemvQ4Params p) {
-    gemv_q4_tb_body<RB, EPI, D, SLOTS, LAG>(p);
-}
-// As X(RB, D, SLOTS, LAG, EPI, MAXT, MINB).
-#define LAB_TB_GATE_UP(X) X(4, 2, 4, 1, true, 160, 3) X(4, 2, 4, 2, true, 160, 3) X(4, 2, 8, 3, true, 160, 3) X(8, 2, 4, 1, true, 160, 2)
-#define LAB_TB_DOWN(X) X(2, 3, 8, 2, false, 544, 1) X(2, 3, 16, 4, false, 544, 1) X(4, 2, 8, 2, false, 544, 1)
-
-// ---- candidate TR: rows by waves over x's limbs staged in shared memory (q4tr.cuh) ----------
-#include "q4tr.cuh"
-template <int R, bool EPI, int D, int MAXT, int MINB>
-__global__ void __launch_bounds__(MAXT, MINB) lab_tr(const GemvQ4Params p) {
-    extern __shared__ V16 lab_tr_sm[];
-    gemv_q4_tr_body<R, EPI, D>(p, lab_tr_sm);
-}
-// As X(R, D, EPI, waves per block, MINB, persistent grid).
-#define LAB_TR_GATE_UP(X) X(4, 2, true, 8, 2, false) X(4, 3, true, 8, 2, false) X(4, 3, true, 8, 2, true) \
-    X(2, 3, true, 8, 3, false) X(2, 4, true, 8, 2, false)
-#define LAB_TR_DOWN(X) X(4, 3, false, 4, 3, false) X(2, 4, false, 8, 2, false) X(4, 2, false, 8, 2, false) \
-    X(2, 3, false, 4, 3, false)
+// ---- candidates TB and TR (removed) ----------------------------------------------------------
+// TB: the `_k` body with mbarriers per slot of wave sums instead of the block barrier (wave 0
+// adds a slot LAG batches behind). TR (q4tr.cuh): rows by waves again, x's dp4a limbs staged
+// once per block in shared memory. Both lost on both shapes (H100, 2026-12-06 evening: gate|up
+// 36.7 and 38.4 µs against T2E's 35.6, down 25.2 and 28.9 against T2's 22.2;
+// docs/perf-notes.md); in git history at 569d906.
 
 // ---- baseline TF: the float form production had until 2026-12-06 ---------------------------
 // Each thread's 32 activations as f32 (pre-scaled for the subnormal reading of nibbles), per
@@ -1157,9 +1049,6 @@ template __global__ void lab_ts<2, 2, true, 288, 2>(const GemvQ4Params);
 #define LAB_T2_INST(RB, D, F, EPI, MAXT, MINB) template __global__ void lab_t2<RB, D, F, EPI, MAXT, MINB>(const GemvQ4Params);
 LAB_T2_GATE_UP(LAB_T2_INST)
 LAB_T2_DOWN(LAB_T2_INST)
-#define LAB_TB_INST(RB, D, SLOTS, LAG, EPI, MAXT, MINB) template __global__ void lab_tb<RB, EPI, D, SLOTS, LAG, MAXT, MINB>(const GemvQ4Params);
-LAB_TB_GATE_UP(LAB_TB_INST)
-LAB_TB_DOWN(LAB_TB_INST)
 #define LAB_TT_INST(RB, S, DS, F, EPI, MAXT) template __global__ void lab_tt<RB, S, DS, F, EPI, MAXT>(const GemvQ4Params);
 LAB_TT_GATE_UP(LAB_TT_INST)
 LAB_TT_DOWN(LAB_TT_INST)
@@ -1469,37 +1358,6 @@ int main(int argc, char** argv) {
             LAB_TT_GATE_UP(LAB_TT_ADD)
         } else if (!sh.silu) {
             LAB_TT_DOWN(LAB_TT_ADD)
-        }
-        // TB: no block barrier (mbarriers per slot of sums); the label's F is SLOTS.
-#define LAB_TB_ADD(RB, D, SLOTS, LAG, EPI, MAXT, MINB) \
-    add_t2(lab_tb<RB, EPI, D, SLOTS, LAG, MAXT, MINB>, RB, D, SLOTS, MINB, EPI, "TB lag" #LAG);
-        if (!sh.silu && sh.k <= 8192) {
-            LAB_TB_GATE_UP(LAB_TB_ADD)
-        } else if (!sh.silu) {
-            LAB_TB_DOWN(LAB_TB_ADD)
-        }
-        // TR: rows by waves, x's limbs in shared memory; one row group per wave unless persistent.
-        auto add_tr = [&](auto kern, int R, int D, int NW, int MINB, bool epi, bool persist) {
-            const u32 smem = Q4TR_SMEM_BYTES(kq);
-            CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-            int per_sm = 0;
-            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, NW * 32, smem));
-            const u32 yb = epi ? R / 2 : R, nb = ((epi ? sh.n / 2 : sh.n) + yb - 1) / yb;
-            const u32 blocks = (nb + NW - 1) / NW;
-            const u32 grid = persist ? std::min<u32>(blocks, per_sm * sms) : blocks;
-            char name[96];
-            snprintf(name, sizeof name, "TR%s R%d D%d w%d minb%d %uKB %d/SM grid %u", epi ? "E" : "", R, D, NW,
-                     MINB, smem / 1024, per_sm, grid);
-            Variant v{name, true,
-                      [=](const GemvQ4Params& p, cudaStream_t s) { kern<<<grid, NW * 32, smem, s>>>(p); }, epi};
-            vs.push_back(v);
-        };
-#define LAB_TR_ADD(R, D, EPI, NW, MINB, PERSIST) \
-    add_tr(lab_tr<R, EPI, D, NW * 32, MINB>, R, D, NW, MINB, EPI, PERSIST);
-        if (!sh.silu && sh.k <= 8192) {
-            LAB_TR_GATE_UP(LAB_TR_ADD)
-        } else if (!sh.silu) {
-            LAB_TR_DOWN(LAB_TR_ADD)
         }
         // TF: the float form (the production body before dp4a).
 #define LAB_TF_ADD(RB, D, F, EPI, MAXT, MINB) add_t2(lab_tf<RB, D, F, EPI, MAXT, MINB>, RB, D, F, MINB, EPI, "TF");
