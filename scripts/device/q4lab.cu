@@ -1317,19 +1317,26 @@ int main(int argc, char** argv) {
             add_te(lab_te<4, 160>, 4);
             add_te(lab_te<8, 160>, 8);
         }
-        // T2: deeper loads and a barrier per F batches (gate|up with the epilogue, down plain).
-        auto add_t2 = [&](auto kern, int RB, int D, int F, int MINB, bool epi, const char* tag = "T2") {
+        // The by-chunk launch of T2, TT and TF: a thread per 32-input chunk, a persistent grid of
+        // as many blocks as fit (`smem` bytes of dynamic shared memory each); `label` leads the name.
+        auto add_k = [&](auto kern, int RB, bool epi, u32 smem, const char* label) {
             const u32 block = (kq / 32 + 31) / 32 * 32;
+            if (smem) CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
             int per_sm = 0;
-            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, block, 0));
+            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, block, smem));
             const u32 yb = epi ? RB / 2 : RB, batches = ((epi ? sh.n / 2 : sh.n) + yb - 1) / yb;
             const u32 grid = std::min<u32>(batches, per_sm * sms);
-            char name[96];
-            snprintf(name, sizeof name, "%s%s RB%d D%d F%d minb%d %u thr %d/SM grid %u", tag, epi ? "E" : "", RB,
-                     D, F, MINB, block, per_sm, grid);
-            Variant v{name, true, [=](const GemvQ4Params& p, cudaStream_t s) { kern<<<grid, block, 0, s>>>(p); },
-                      epi};
+            char name[128];
+            snprintf(name, sizeof name, "%s %u thr %d/SM grid %u", label, block, per_sm, grid);
+            Variant v{name, true,
+                      [=](const GemvQ4Params& p, cudaStream_t s) { kern<<<grid, block, smem, s>>>(p); }, epi};
             vs.push_back(v);
+        };
+        // T2: deeper loads and a barrier per F batches (gate|up with the epilogue, down plain).
+        auto add_t2 = [&](auto kern, int RB, int D, int F, int MINB, bool epi, const char* tag = "T2") {
+            char label[64];
+            snprintf(label, sizeof label, "%s%s RB%d D%d F%d minb%d", tag, epi ? "E" : "", RB, D, F, MINB);
+            add_k(kern, RB, epi, 0, label);
         };
 #define LAB_T2_ADD(RB, D, F, EPI, MAXT, MINB) add_t2(lab_t2<RB, D, F, EPI, MAXT, MINB>, RB, D, F, MINB, EPI);
         if (!sh.silu && sh.k <= 8192) {
@@ -1339,19 +1346,10 @@ int main(int argc, char** argv) {
         }
         // TT: the weights through the bulk-copy engine into S stages of shared memory.
         auto add_tt = [&](auto kern, int RB, int S, int DS, int F, bool epi) {
-            const u32 block = (kq / 32 + 31) / 32 * 32;
             const u32 smem = (u32)S * RB * (kq / 2);
-            CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-            int per_sm = 0;
-            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, block, smem));
-            const u32 yb = epi ? RB / 2 : RB, batches = ((epi ? sh.n / 2 : sh.n) + yb - 1) / yb;
-            const u32 grid = std::min<u32>(batches, per_sm * sms);
-            char name[96];
-            snprintf(name, sizeof name, "TT%s RB%d S%d DS%d F%d %u thr %uKB %d/SM grid %u", epi ? "E" : "", RB, S,
-                     DS, F, block, smem / 1024, per_sm, grid);
-            Variant v{name, true, [=](const GemvQ4Params& p, cudaStream_t s) { kern<<<grid, block, smem, s>>>(p); },
-                      epi};
-            vs.push_back(v);
+            char label[64];
+            snprintf(label, sizeof label, "TT%s RB%d S%d DS%d F%d %uKB", epi ? "E" : "", RB, S, DS, F, smem / 1024);
+            add_k(kern, RB, epi, smem, label);
         };
 #define LAB_TT_ADD(RB, S, DS, F, EPI, MAXT) add_tt(lab_tt<RB, S, DS, F, EPI, MAXT>, RB, S, DS, F, EPI);
         if (!sh.silu && sh.k <= 8192) {
