@@ -11,7 +11,8 @@ root="$(cd "$(dirname "$0")/../.." && pwd)"
 . "$root/scripts/device/common.sh"
 tprun_ab "${1:?tprun binary}"  # $out, the kernel cache, libnvrtc, status=0
 bin="${bins[0]}"
-m=/tmp/tprun-q35-27b
+export Q35_27B=/tmp/tprun-q35-27b  # written here while the lab and bench run, used by qwen35.sh perf
+m=$Q35_27B
 trap 'rm -rf "$m"' EXIT
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 t0=$(date +%s)

@@ -5,7 +5,7 @@
 # `ncu` profiles one launch of each variant under Nsight Compute (summary printed, the full
 # report in $OUT/ncu.txt, the stall reasons per issued instruction listed). LAB_QUICK=1: only
 # production and the by-chunk variants (T, TE). Without a GPU, scripts/cuda_toolchain.sh gives
-# the same nvcc here: build q4lab.cu with the line below before spending a device call on it.
+# the same nvcc here: build q4lab.cu with the nvcc line below before spending a device call on it.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 out="${OUT:-$root/out}"

@@ -83,7 +83,8 @@ PY
 
 room() { [ -z "${DEADLINE:-}" ] || [ $(( DEADLINE - $(date +%s) )) -ge "$1" ] || { echo "SKIPPED (time): $2"; return 1; }; }
 
-m27=/tmp/tprun-q35-27b
+# Q35_27B: where the 27b synth goes; perf reuses one already there (issue11.sh writes it ahead).
+m27="${Q35_27B:-/tmp/tprun-q35-27b}"
 synth27() {
     echo "== synth qwen3_5 27b, MLP GPTQ int4 (group 128), the rest bf16"
     local t0; t0=$(date +%s)
