@@ -288,8 +288,13 @@ pub enum Report {
         graph_us: Option<f32>,
     },
     /// `bench gemv`: the device copy that gives the bandwidth ceiling, `bytes` read plus
-    /// written in `us` per copy.
-    CopyBandwidth { bytes: u64, us: f64 },
+    /// written per copy, in `memcpy_us` by the driver's copy and in `kernel_us` by a copy
+    /// kernel (a one-input ReduceSum); the faster is the ceiling.
+    CopyBandwidth {
+        bytes: u64,
+        memcpy_us: f64,
+        kernel_us: f64,
+    },
     /// `bench gemv`: row `index` read `bytes` (weights, scales, zeros, perm) in `us` per call;
     /// `graph`: timed as graph replays rotating through copies of the weights larger than
     /// the device's cache (GPUs), else as plain calls.

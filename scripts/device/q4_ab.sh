@@ -13,6 +13,7 @@
 # the selftest alone). Last, one profiled run of the first binary (eager, each op between
 # events): µs per token by op.
 # GEMV_ONLY=1: the checks and the bench only (no synth, no decode); NO_PROFILE=1: no profile.
+# BF16_SHAPES=NxK,...: also `bench gemv --quant bf16 --shapes` those, each binary, two rounds.
 # Results in $OUT (or ./out).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -50,6 +51,17 @@ for r in 1 2; do
         grep -vE '^#' "$out/gemv-$i-r$r.txt" | tail -3
     done
 done
+if [ -n "${BF16_SHAPES:-}" ]; then
+    echo "== bench gemv --quant bf16 --shapes $BF16_SHAPES"
+    for r in 1 2; do
+        for i in "${!bins[@]}"; do
+            echo "-- bin $i round $r"
+            timeout 200 "${bins[$i]}" --backend cuda --timeout 300 bench gemv --quant bf16 --shapes "$BF16_SHAPES" \
+                > "$out/gemv-bf16-$i-r$r.txt" 2>&1 || fail "bench gemv bf16 bin $i"
+            grep -vE '^#' "$out/gemv-bf16-$i-r$r.txt" | tail -8
+        done
+    done
+fi
 if [ "$gemv_only" = 1 ]; then
     [ $status -eq 0 ] && echo "q4_ab.sh: PASS" || echo "q4_ab.sh: FAILED"
     exit $status
