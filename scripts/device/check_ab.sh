@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# A change to the decode step checked and timed in one call (~7 minutes):
+#
+#   scripts/device/check_ab.sh NEW BASE STORIES_DIR
+#
+# While synth qwen3_5 27b (GPTQ int4 MLP, group 128) and synth llama3-8b bf16 are written in the
+# background: NEW's `tprun selftest` (every kernel against its CPU twin), `qwen35.sh check` (the
+# transformers-built tiny Qwen3.5 and its GPTQ twin at 1 and 4 ranks, graph and eager) and
+# `decode.sh stories` (stories260k = reference.json at 1 and 4 ranks, logits against the CPU
+# backend). Then the two decode benchmarks, NEW and BASE alternated, ROUNDS rounds (default 1):
+# the 27B TP=1 (128 tokens) and Llama-3-8B TP=1 (256 after a 128-token prompt), graph + PDL,
+# each with a check that both binaries give the same tokens; and the device copy bandwidth.
+# STORIES_DIR travels in an ignored folder of the checkout (carry it). Results in $OUT.
+# DEADLINE (epoch seconds): sections that no longer fit are skipped and say so.
+set -uo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+[ $# -eq 3 ] || { echo "usage: check_ab.sh NEW BASE STORIES_DIR"; exit 2; }
+. "$root/scripts/device/common.sh"
+tprun_ab "$1" "$2"  # $bins, $out, the kernel cache, libnvrtc, status=0
+stories="$(realpath "$3")"
+fail() { echo "FAILED: $*"; status=1; }
+room() { [ -z "${DEADLINE:-}" ] || [ $(( DEADLINE - $(date +%s) )) -ge "$1" ] || { echo "SKIPPED (time): $2"; return 1; }; }
+q=/tmp/tprun-ab-q35-27b l=/tmp/tprun-ab-l8b
+trap 'rm -rf "$q" "$l"' EXIT
+t0=$(date +%s)
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+"${bins[0]}" synth --arch qwen3_5 --preset 27b --quant gptq-int4 --group-size 128 --dtype bf16 --out $q \
+    > /dev/null 2> "$out/synth-q.err" &
+sq=$!
+"${bins[0]}" synth --arch llama --preset llama3-8b --dtype bf16 --out $l > /dev/null 2> "$out/synth-l.err" &
+sl=$!
+echo "== selftest (NEW)"
+timeout 300 "${bins[0]}" selftest > "$out/selftest.txt" 2>&1 || fail selftest
+grep -E "FAIL|check\(s\)|case\(s\)" "$out/selftest.txt" | tail -12
+if room 60 "qwen35.sh check"; then
+    echo "== qwen35.sh check (NEW)"
+    OUT="$out/q35" timeout 240 "$root/scripts/device/qwen35.sh" check "${bins[0]}" 2>&1 | tail -10
+    [ "${PIPESTATUS[0]}" -eq 0 ] || fail "qwen35.sh check"
+fi
+if room 50 "decode.sh stories"; then
+    echo "== decode.sh stories (NEW)"
+    OUT="$out/stories" timeout 240 "$root/scripts/device/decode.sh" stories "${bins[0]}" "$stories" 2>&1 | grep -v "^ *$" | tail -14
+    [ "${PIPESTATUS[0]}" -eq 0 ] || fail "decode.sh stories"
+fi
+python3 "$root/scripts/device/copy_bw.py" | tee "$out/copy.txt" || fail "copy bandwidth"
+python3 -c "print(('Once upon a time, in a land far away, there lived a small robot who loved to count the stars every night. ' * 3)[:127], end='')" > /tmp/prompt.txt
+run() {  # run BIN_INDEX TAG MODEL DECODE_FLAGS...
+    local i=$1 tag=$2 model=$3; shift 3
+    "${bins[$i]}" --backend cuda --ranks 1 --devices 0 --timeout 120 decode --model "$model" "$@" \
+        --temperature 0 --ignore-eos --json > "$out/$tag-$i.json" 2> "$out/$tag-$i.err" \
+        || { fail "bin $i $tag"; tail -3 "$out/$tag-$i.err"; return; }
+    python3 - "$out/$tag-$i.json" "$out/copy.txt" "$tag bin $i" <<'PY'
+import json, re, sys
+j = json.load(open(sys.argv[1]))
+copy = float(re.search(r"([0-9.]+) TB/s", open(sys.argv[2]).read()).group(1))
+gbs = j["weight_gb_per_s"]
+print(f"{sys.argv[3]}: {j['decode_tokens_per_s']:.1f} tok/s, p50 {j['token_latency_p50_ms']:.3f} ms, "
+      f"{gbs:.0f} GB/s of weights = {gbs / (copy * 1e3) * 100:.0f} % of copy, "
+      f"{j['kernel_launches_per_token']} launches/token, load {j['load_s']:.1f} s")
+PY
+}
+same() {  # same TAG: NEW and BASE gave the same tokens
+    python3 -c "import json,sys;a,b=(json.load(open(f'$out/$1-{i}.json'))['token_ids'] for i in (0,1));print('$1: same tokens in both binaries:',a==b);sys.exit(0 if a==b else 1)" \
+        || fail "$1 tokens differ"
+}
+echo "== decode TP=1, graph + PDL: Llama-3-8B (256 after 128), 27B GPTQ (128 tokens); bin 0 NEW, bin 1 BASE"
+wait $sl || { fail "synth llama"; tail -3 "$out/synth-l.err"; }
+echo "llama synth done after $(( $(date +%s) - t0 )) s"
+for r in $(seq "${ROUNDS:-1}"); do
+    room 40 "llama round $r" || break
+    for i in 0 1; do run $i "l8b-r$r" $l --prompt-file /tmp/prompt.txt --max-new-tokens 256; done
+done
+[ -f "$out/l8b-r1-1.json" ] && same l8b-r1
+wait $sq || { fail "synth 27b"; tail -3 "$out/synth-q.err"; }
+echo "27b synth done after $(( $(date +%s) - t0 )) s"
+for r in $(seq "${ROUNDS:-1}"); do
+    room 110 "27b round $r" || break
+    for i in 0 1; do run $i "q35-r$r" $q --prompt "Once upon a time, in a land far away" --max-new-tokens 128; done
+done
+[ -f "$out/q35-r1-1.json" ] && same q35-r1
+echo "check_ab.sh: $([ $status -eq 0 ] && echo PASS || echo FAILED) after $(( $(date +%s) - t0 )) s"
+exit $status
