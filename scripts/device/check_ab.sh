@@ -49,15 +49,7 @@ run() {  # run BIN_INDEX TAG MODEL DECODE_FLAGS...
     "${bins[$i]}" --backend cuda --ranks 1 --devices 0 --timeout 120 decode --model "$model" "$@" \
         --temperature 0 --ignore-eos --json > "$out/$tag-$i.json" 2> "$out/$tag-$i.err" \
         || { fail "bin $i $tag"; tail -3 "$out/$tag-$i.err"; return; }
-    python3 - "$out/$tag-$i.json" "$out/copy.txt" "$tag bin $i" <<'PY'
-import json, re, sys
-j = json.load(open(sys.argv[1]))
-copy = float(re.search(r"([0-9.]+) TB/s", open(sys.argv[2]).read()).group(1))
-gbs = j["weight_gb_per_s"]
-print(f"{sys.argv[3]}: {j['decode_tokens_per_s']:.1f} tok/s, p50 {j['token_latency_p50_ms']:.3f} ms, "
-      f"{gbs:.0f} GB/s of weights = {gbs / (copy * 1e3) * 100:.0f} % of copy, "
-      f"{j['kernel_launches_per_token']} launches/token, load {j['load_s']:.1f} s")
-PY
+    tprun_decode_line "$out/$tag-$i.json" "$out/copy.txt" "$tag bin $i"
 }
 same() {  # same TAG: NEW and BASE gave the same tokens
     python3 -c "import json,sys;a,b=(json.load(open(f'$out/$1-{i}.json'))['token_ids'] for i in (0,1));print('$1: same tokens in both binaries:',a==b);sys.exit(0 if a==b else 1)" \

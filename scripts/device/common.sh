@@ -15,6 +15,9 @@
 #   tprun_ab BIN...         the start of an A/B script (decode_ab.sh, q4_ab.sh): sets $bins
 #                           (the binaries, absolute), $out ($OUT, else $root/out, created)
 #                           and status=0; the kernel cache and tprun_nvrtc_link as tprun_job
+#   tprun_decode_line JSON COPY_TXT LABEL
+#                           one line for a `decode --json` result: tok/s, p50, GB read per
+#                           token and that rate as a share of the copy_bw.py figure in COPY_TXT
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 tprun_ab() {
@@ -65,4 +68,16 @@ tprun_job() {
     tprun_nvrtc_link
     tprun_devices "$2"
     t="$1 --ranks $2 --devices $devices --backend cuda --timeout ${3:-30}"
+}
+
+tprun_decode_line() {
+    python3 - "$1" "$2" "$3" <<'PY'
+import json, re, sys
+j = json.load(open(sys.argv[1]))
+copy = float(re.search(r"([0-9.]+) TB/s", open(sys.argv[2]).read()).group(1))
+gbs = j["weight_gb_per_s"]
+print(f"{sys.argv[3]}: {j['decode_tokens_per_s']:.1f} tok/s, p50 {j['token_latency_p50_ms']:.3f} ms, "
+      f"{j['step_weight_bytes_rank0'] / 1e9:.1f} GB read/token, {gbs:.0f} GB/s = {gbs / (copy * 1e3) * 100:.0f} % of copy, "
+      f"{j['kernel_launches_per_token']} launches/token, load {j['load_s']:.1f} s")
+PY
 }

@@ -74,15 +74,7 @@ run() {  # run BIN_INDEX TAG
     "${bins[$i]}" --backend cuda --ranks 1 --devices 0 --timeout 120 decode --model $m \
         --prompt "Once upon a time, in a land far away" --temperature 0 --max-new-tokens 128 --ignore-eos --json \
         > "$out/ab-$i-$tag.json" 2> "$out/ab-$i-$tag.err" || { fail "bin $i $tag"; tail -3 "$out/ab-$i-$tag.err"; return; }
-    python3 - "$out/ab-$i-$tag.json" "$out/copy.txt" "bin $i ($tag)" <<'PY'
-import json, re, sys
-j = json.load(open(sys.argv[1]))
-copy = float(re.search(r"([0-9.]+) TB/s", open(sys.argv[2]).read()).group(1))
-gbs = j["weight_gb_per_s"]
-print(f"{sys.argv[3]}: {j['decode_tokens_per_s']:.1f} tok/s, p50 {j['token_latency_p50_ms']:.3f} ms, "
-      f"{j['step_weight_bytes_rank0'] / 1e9:.1f} GB read/token, {gbs:.0f} GB/s = {gbs / (copy * 1e3) * 100:.0f} % of copy, "
-      f"{j['kernel_launches_per_token']} launches/token, load {j['load_s']:.1f} s")
-PY
+    tprun_decode_line "$out/ab-$i-$tag.json" "$out/copy.txt" "bin $i ($tag)"
 }
 echo "== decode 27b GPTQ, TP=1, graph + PDL, 128 tokens; bins: ${bins[*]}"
 for r in $(seq "${ROUNDS:-2}"); do
