@@ -18,7 +18,6 @@ mkdir -p "$OUT"
 tprun_nvrtc_link
 export TPRUN_KERNEL_CACHE="${TPRUN_KERNEL_CACHE:-/tmp/tprun-kernel-cache}"
 status=0
-fail() { echo "FAILED: $*"; status=1; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
 echo "== selftest (NEW)"

@@ -18,14 +18,11 @@ root="$(cd "$(dirname "$0")/../.." && pwd)"
 . "$root/scripts/device/common.sh"
 tprun_ab "$1" "$2"  # $bins, $out, the kernel cache, libnvrtc, status=0
 stories="$(realpath "$3")"
-fail() { echo "FAILED: $*"; status=1; }
-room() { [ -z "${DEADLINE:-}" ] || [ $(( DEADLINE - $(date +%s) )) -ge "$1" ] || { echo "SKIPPED (time): $2"; return 1; }; }
 q=/tmp/tprun-ab-q35-27b l=/tmp/tprun-ab-l8b
 trap 'rm -rf "$q" "$l"' EXIT
 t0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-"${bins[0]}" synth --arch qwen3_5 --preset 27b --quant gptq-int4 --group-size 128 --dtype bf16 --out $q \
-    > /dev/null 2> "$out/synth-q.err" &
+tprun_synth_27b "${bins[0]}" $q 2> "$out/synth-q.err" &
 sq=$!
 "${bins[0]}" synth --arch llama --preset llama3-8b --dtype bf16 --out $l > /dev/null 2> "$out/synth-l.err" &
 sl=$!
@@ -43,7 +40,7 @@ if room 50 "decode.sh stories"; then
     [ "${PIPESTATUS[0]}" -eq 0 ] || fail "decode.sh stories"
 fi
 python3 "$root/scripts/device/copy_bw.py" | tee "$out/copy.txt" || fail "copy bandwidth"
-python3 -c "print(('Once upon a time, in a land far away, there lived a small robot who loved to count the stars every night. ' * 3)[:127], end='')" > /tmp/prompt.txt
+tprun_prompt128 /tmp/prompt.txt
 run() {  # run BIN_INDEX TAG MODEL DECODE_FLAGS...
     local i=$1 tag=$2 model=$3; shift 3
     "${bins[$i]}" --backend cuda --ranks 1 --devices 0 --timeout 120 decode --model "$model" "$@" \

@@ -15,10 +15,28 @@
 #   tprun_ab BIN...         the start of an A/B script (decode_ab.sh, q4_ab.sh): sets $bins
 #                           (the binaries, absolute), $out ($OUT, else $root/out, created)
 #                           and status=0; the kernel cache and tprun_nvrtc_link as tprun_job
+#   fail WHAT               prints "FAILED: WHAT" and sets status=1 (the caller's exit code)
+#   room SECS WHAT          true while DEADLINE (epoch seconds; unset: none) is SECS or more
+#                           away, else prints "SKIPPED (time): WHAT" and fails
+#   tprun_synth_27b BIN DIR synth qwen3_5 27b with its MLP in GPTQ int4 (group 128), the rest
+#                           bf16 (the official checkpoint's layout), into DIR; stdout dropped
+#   tprun_prompt128 FILE    writes the 127-byte prompt of the Llama benchmarks (128 tokens with
+#                           the byte-level tokenizer's BOS) to FILE
 #   tprun_decode_line JSON COPY_TXT LABEL
 #                           one line for a `decode --json` result: tok/s, p50, GB read per
 #                           token and that rate as a share of the copy_bw.py figure in COPY_TXT
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+fail() { echo "FAILED: $*"; status=1; }
+room() { [ -z "${DEADLINE:-}" ] || [ $(( DEADLINE - $(date +%s) )) -ge "$1" ] || { echo "SKIPPED (time): $2"; return 1; }; }
+
+tprun_synth_27b() {
+    "$1" synth --arch qwen3_5 --preset 27b --quant gptq-int4 --group-size 128 --dtype bf16 --out "$2" > /dev/null
+}
+
+tprun_prompt128() {
+    python3 -c "print(('Once upon a time, in a land far away, there lived a small robot who loved to count the stars every night. ' * 3)[:127], end='')" > "$1"
+}
 
 tprun_ab() {
     bins=()

@@ -31,9 +31,6 @@ mkdir -p "$out"
 export TPRUN_KERNEL_CACHE="${TPRUN_KERNEL_CACHE:-/tmp/tprun-kernel-cache}"
 tprun_nvrtc_link
 status=0
-fail() { echo "FAILED: $*"; status=1; }
-# Seconds left before DEADLINE (epoch seconds; default: none): sections that need more skip.
-room() { [ -z "${DEADLINE:-}" ] || [ $(( DEADLINE - $(date +%s) )) -ge "$1" ] || { echo "SKIPPED (time): $2"; return 1; }; }
 
 # Max relative difference of two raw f32 logit dumps (same shape).
 cmp_logits() {
@@ -144,7 +141,7 @@ sec_synth() {
     t0=$(date +%s); $bin synth --arch llama --preset llama3-8b --dtype bf16 --out $m > /dev/null 2>&1 || fail synth
     echo "synth took $(( $(date +%s) - t0 )) s; $(du -sh $m | cut -f1)"
     # A 128-token prompt (byte-level tokenizer).
-    python3 -c "print(('Once upon a time, in a land far away, there lived a small robot who loved to count the stars every night. ' * 3)[:127], end='')" > /tmp/prompt.txt
+    tprun_prompt128 /tmp/prompt.txt
 }
 
 sec_tp1() {

@@ -27,7 +27,7 @@ if [ $selftest = 1 ]; then
     grep -E "FAIL|checks|case" "$out/selftest.txt" | tail -12
 fi
 wait $synth || { echo "FAILED: synth"; exit 1; }
-python3 -c "print(('Once upon a time, in a land far away, there lived a small robot who loved to count the stars every night. ' * 3)[:127], end='')" > /tmp/prompt.txt
+tprun_prompt128 /tmp/prompt.txt
 run() {  # run BIN_INDEX TAG [FLAGS...]
     local i=$1 tag=$2; shift 2
     "${bins[$i]}" --backend cuda --ranks 1 --timeout 30 decode "$@" --model $m --prompt-file /tmp/prompt.txt --temperature 0 --max-new-tokens 256 --ignore-eos --json > "$out/ab-$i-$tag.json" 2> "$out/ab-$i-$tag.err" || { echo "FAILED: bin $i $tag"; tail -3 "$out/ab-$i-$tag.err"; status=1; return; }

@@ -16,8 +16,7 @@ m=$Q35_27B
 trap 'rm -rf "$m"' EXIT
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 t0=$(date +%s)
-"$bin" synth --arch qwen3_5 --preset 27b --quant gptq-int4 --group-size 128 --dtype bf16 --out "$m" \
-    > /dev/null 2> "$out/synth.err" &
+tprun_synth_27b "$bin" "$m" 2> "$out/synth.err" &
 synth=$!
 if [ "${LAB:-0}" = 1 ]; then
     echo "== q4lab (quick)"

@@ -15,7 +15,6 @@ bin="$(realpath "${1:-$root/target/release/tprun}")"
 . "$root/scripts/device/common.sh"
 tprun_job "$bin" 2 60
 status=0
-fail() { echo "FAILED: $*"; status=1; }
 work=$(mktemp -d)
 export TPRUN_JOB_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
 body='{"model":"tprun-default","prompt":"Once upon a time","max_tokens":24,"temperature":0}'

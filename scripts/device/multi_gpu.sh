@@ -87,10 +87,8 @@ models_dir="${MODELS_DIR:-/tmp/tprun-mg-models}"
 q35=qwen3.5-27b-gptq
 mkdir -p "$models_dir"
 status=0
-fail() { echo "FAILED: $*"; status=1; }
+. "$root/scripts/device/common.sh"  # fail, room; the GPU helpers below
 want() { [[ "$sections" == *" $1 "* ]]; }
-# Seconds left before DEADLINE (epoch seconds; default: none): sections that need more skip.
-room() { [ -z "${DEADLINE:-}" ] || [ $(( DEADLINE - $(date +%s) )) -ge "$1" ] || { echo "SKIPPED (time): $2"; return 1; }; }
 # A command's timeout: SECS, cut to end 15 s before DEADLINE.
 cap() {
     local s=$1
@@ -100,7 +98,6 @@ cap() {
 }
 
 if [ "$backend" = cuda ]; then
-    . "$root/scripts/device/common.sh"
     tprun_job "$bin" "$ranks" 60
 else
     # The CPU backend: every rank is a host process; the device list is only a label.

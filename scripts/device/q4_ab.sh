@@ -22,14 +22,12 @@ case "${1:-}" in --check) check=2; shift ;; --selftest) check=1; shift ;; esac
 [ $# -ge 1 ] || { echo "usage: q4_ab.sh [--check|--selftest] BIN..."; exit 2; }
 . "$root/scripts/device/common.sh"
 tprun_ab "$@"
-fail() { echo "FAILED: $*"; status=1; }
 m=/tmp/tprun-q35-27b-ab
 trap 'rm -rf "$m"' EXIT
 t0=$(date +%s)
 gemv_only="${GEMV_ONLY:-0}"
 if [ "$gemv_only" != 1 ]; then
-    "${bins[0]}" synth --arch qwen3_5 --preset 27b --quant gptq-int4 --group-size 128 --dtype bf16 --out $m \
-        > /dev/null 2> "$out/synth.err" &
+    tprun_synth_27b "${bins[0]}" $m 2> "$out/synth.err" &
     synth=$!
 fi
 if [ $check -ge 1 ]; then

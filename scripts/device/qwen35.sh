@@ -24,10 +24,9 @@ backend="${3:-cuda}"
 out="${OUT:-$root/out}"
 mkdir -p "$out"
 status=0
-fail() { echo "FAILED: $*"; status=1; }
+. "$root/scripts/device/common.sh"  # fail, room, tprun_synth_27b; the GPU helpers below
 work="$(mktemp -d)"
 if [ "$backend" = cuda ]; then
-    . "$root/scripts/device/common.sh"
     export TPRUN_KERNEL_CACHE="${TPRUN_KERNEL_CACHE:-/tmp/tprun-kernel-cache}"
     tprun_nvrtc_link
     tprun_devices 4
@@ -81,14 +80,12 @@ PY
     done
 }
 
-room() { [ -z "${DEADLINE:-}" ] || [ $(( DEADLINE - $(date +%s) )) -ge "$1" ] || { echo "SKIPPED (time): $2"; return 1; }; }
-
 # Q35_27B: where the 27b synth goes; perf reuses one already there (issue11.sh writes it ahead).
 m27="${Q35_27B:-/tmp/tprun-q35-27b}"
 synth27() {
     echo "== synth qwen3_5 27b, MLP GPTQ int4 (group 128), the rest bf16"
     local t0; t0=$(date +%s)
-    "$bin" synth --arch qwen3_5 --preset 27b --quant gptq-int4 --group-size 128 --dtype bf16 --out "$m27" > /dev/null 2> "$work/synth.err" \
+    tprun_synth_27b "$bin" "$m27" 2> "$work/synth.err" \
         || { echo "FAILED: synth"; tail -3 "$work/synth.err"; return 1; }
     echo "synth took $(( $(date +%s) - t0 )) s; $(du -sh "$m27" | cut -f1)"
 }

@@ -22,7 +22,6 @@ mkdir -p "$OUT"
 tprun_job "$bin" 1 120
 m="${SERVE_MODEL:-/tmp/l8b}"
 status=0
-fail() { echo "FAILED: $*"; status=1; }
 
 if [ -z "${SERVE_MODEL:-}" ]; then
     echo "== synth llama3-8b bf16"
