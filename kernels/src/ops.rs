@@ -439,6 +439,11 @@ impl<B> QkvRope<'_, B> {
 /// the rows of its own slot. Query head `h` reads KV head `h / (heads / kv_heads)`. Scores
 /// `q·k · scale` and the softmax are f32. `workspace`: f32 scratch for backends that split
 /// the sequence across blocks ([`Attention::workspace_len`]); CPU ignores it.
+///
+/// With one row (a decode step), `pos`, `slots` and the cache rows before `pos` must not be
+/// written by the op queued just before this one (under programmatic dependent launch the
+/// CUDA kernel reads them while that op still runs; the model's KV append writes row `pos`
+/// only).
 pub struct Attention<'a, B> {
     pub q: View<'a, B>,
     pub k_cache: View<'a, B>,

@@ -10,6 +10,8 @@
 # backend). Then the two decode benchmarks, NEW and BASE alternated, ROUNDS rounds (default 1):
 # the 27B TP=1 (128 tokens) and Llama-3-8B TP=1 (256 after a 128-token prompt), graph + PDL,
 # each with a check that both binaries give the same tokens; and the device copy bandwidth.
+# PEER=1 adds, after the Llama rounds, the torch.compile'd transformers loop on the same
+# checkpoint (scripts/peer_hf_decode.py: issue 9's peer, ~2.5 minutes).
 # STORIES_DIR travels in an ignored folder of the checkout (carry it). Results in $OUT.
 # DEADLINE (epoch seconds): sections that no longer fit are skipped and say so.
 set -uo pipefail
@@ -60,6 +62,11 @@ for r in $(seq "${ROUNDS:-1}"); do
     for i in 0 1; do run $i "l8b-r$r" $l --prompt-file /tmp/prompt.txt --max-new-tokens 256; done
 done
 [ -f "$out/l8b-r1-1.json" ] && same l8b-r1
+if [ "${PEER:-0}" = 1 ] && room 200 peer; then
+    echo "== peer: transformers static cache + torch.compile (same checkpoint, 256 after 128)"
+    PYTHONUNBUFFERED=1 timeout 240 python3 "$root/scripts/peer_hf_decode.py" --model $l --prompt-len 128 --new-tokens 256 --modes compile --repeats 1 --json > "$out/peer.json" 2> "$out/peer.err" || { fail peer; tail -5 "$out/peer.err"; }
+    cat "$out/peer.json"
+fi
 wait $sq || { fail "synth 27b"; tail -3 "$out/synth-q.err"; }
 echo "27b synth done after $(( $(date +%s) - t0 )) s"
 for r in $(seq "${ROUNDS:-1}"); do

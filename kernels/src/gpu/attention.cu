@@ -17,6 +17,12 @@
 // (Until 2026-12-03 the parts were fixed 256-position splits of the cache: a 256-token
 // sequence then ran on 8 blocks of 132 SMs, and a 32K one on 1024.)
 //
+// With one row (the decode step) and a short part (at most 64 keys of head_dim 128, f16/bf16),
+// the split kernel loads the part's K and V rows into registers before its PDL wait, while the
+// KV append before it runs: those rows were written by earlier steps, only row pos by that
+// kernel (reloaded after the wait, with q). Synth Llama-3-8B at 384 positions on an H100:
+// +1.6 % per token (docs/perf-notes.md, 2026-12-06 night).
+//
 // GQA: a block serves the query heads of one KV head together (up to TP_ATTN_GMAX of them;
 // larger groups are cut into head chunks of TP_ATTN_GMAX), so every K and V row is read from
 // memory once per KV head, not once per query head. The kernels are instantiated for
@@ -116,6 +122,29 @@ struct AttnSmem {
     float l[G];
 };
 
+// The score phase's loads per lane and step: TP_ATTN_KPL keys, 4 packs of each (attn_split).
+#define TP_ATTN_KPL 2
+
+// The value phase's mapping for element type D: CPL packs of a V row per lane, U keys per step
+// (U * CPL = 8 loads of 16 bytes in flight per thread).
+template <class D>
+struct AttnVMap {
+    static constexpr int CPL = D::V == 4 ? 2 : 1;  // f32: up to 64 packs; f16/bf16: up to 32
+    static constexpr int U = 8 / CPL;
+};
+
+// The K and V packs of one lane for a part that is one step of each phase with a single key
+// per lane in the score phase and TP_ATTN_PRE_U in the value phase (attn_one_step: f16/bf16
+// rows of at most 128 elements, at most 64 keys at head_dim 128), loaded before the step's
+// inputs are ready (attn_split_kernel's early path). Half a full step's registers: the full
+// one spilled next to G = 4's accumulators.
+#define TP_ATTN_PRE_U 4
+template <class D>
+struct AttnPre {
+    V16 k[1][4];
+    V16 v[TP_ATTN_PRE_U][AttnVMap<D>::CPL];
+};
+
 // Elements c*V .. c*V + V of a row through the scalar path (any alignment the element size
 // allows), zeros past head_dim d.
 template <class D>
@@ -151,70 +180,181 @@ TP_DEV void attn_dot_pack(const AttnSmem<G>& sm, u32 c, const float* kf, float* 
     }
 }
 
+// The score phase's mapping: `kl` adjacent lanes share a key (16 * kl contiguous bytes per load
+// instruction and key, so a warp touches 32 / kl rows instead of 32), each summing the packs
+// c = sub, sub + kl, ...; then a butterfly over the kl lanes. More lanes per key would cost G
+// shuffles per key and halving; fewer would scatter a warp's loads over more rows. Each lane
+// takes TP_ATTN_KPL keys per step (lane_keys apart), all their loads issued before any is used.
+struct AttnKMap {
+    u32 kl, sub, lane_keys;
+};
+TP_DEV AttnKMap attn_kmap(u32 npacks) {
+    AttnKMap m;
+    m.kl = npacks >= 4 ? 4u : (npacks >= 2 ? 2u : 1u);
+    m.sub = threadIdx.x % m.kl;
+    m.lane_keys = TP_ATTN_THREADS / m.kl;
+    return m;
+}
+
+// The value phase's mapping: `np` adjacent lanes read one V row (all of it when it has at most
+// TP_WAVE packs, else CPL packs each: f32 rows of more than 128 elements on a 32-wide wave);
+// the block's TP_ATTN_THREADS / np row slices take every nslices-th key, U keys per step.
+struct AttnVLanes {
+    u32 np, col, slice, nslices;
+};
+TP_DEV AttnVLanes attn_vmap(u32 npacks) {
+    AttnVLanes m;
+    m.np = 1;
+    while (m.np < npacks && m.np < (u32)TP_WAVE) m.np *= 2;
+    m.col = threadIdx.x % m.np;
+    m.slice = threadIdx.x / m.np;
+    m.nslices = TP_ATTN_THREADS / m.np;
+    return m;
+}
+
+// This lane's K packs of the score step at keys `base` and packs `c0` into raw: keys
+// ki = base + tid / kl + u * lane_keys (u < KPL) with ki < n and t0 + ki in [lo, hi), packs
+// c0 + x * kl (x < 4) below npacks; other entries untouched.
+template <int KP>
+TP_DEV void attn_k_load(const u8* kh, u64 stride, const AttnKMap& km, u32 t0, u32 n, u32 npacks, u32 base, u32 c0,
+                        u32 lo, u32 hi, V16 (&raw)[KP][4]) {
+#pragma unroll
+    for (int u = 0; u < KP; ++u) {
+        const u32 ki = base + threadIdx.x / km.kl + (u32)u * km.lane_keys;
+        if (ki >= n || t0 + ki < lo || t0 + ki >= hi) continue;
+        const u8* row = kh + (u64)(t0 + ki) * stride;
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+            const u32 c = c0 + (u32)x * km.kl;
+            if (c < npacks) raw[u][x] = *(const V16*)(row + (u64)c * 16);
+        }
+    }
+}
+
+// dot[u][g] += the score step's packs in raw (attn_k_load's layout) . q[g].
+template <class D, int G, int KP>
+TP_DEV void attn_k_dot(const AttnSmem<G>& sm, const AttnKMap& km, u32 n, u32 npacks, u32 base, u32 c0,
+                       const V16 (&raw)[KP][4], float (&dot)[TP_ATTN_KPL][G]) {
+#pragma unroll
+    for (int u = 0; u < KP; ++u) {
+        const u32 ki = base + threadIdx.x / km.kl + (u32)u * km.lane_keys;
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+            const u32 c = c0 + (u32)x * km.kl;
+            if (ki < n && c < npacks) {
+                float kf[D::V];
+                D::unpack(raw[u][x], kf);
+                attn_dot_pack<D, G>(sm, c, kf, dot[u]);
+            }
+        }
+    }
+}
+
+// This lane's V packs of the value step at key i0 into raw: keys i = i0 + u * nslices (u < UV)
+// with i < n and t0 + i in [lo, hi), packs col + cc * np (cc < CPL) below npacks.
+template <class D, int UV>
+TP_DEV void attn_v_load(const u8* vh, u64 stride, const AttnVLanes& vm, u32 t0, u32 n, u32 npacks, u32 i0, u32 lo,
+                        u32 hi, V16 (&raw)[UV][AttnVMap<D>::CPL]) {
+#pragma unroll
+    for (int u = 0; u < UV; ++u) {
+        const u32 i = i0 + (u32)u * vm.nslices;
+        if (i >= n || t0 + i < lo || t0 + i >= hi) continue;
+#pragma unroll
+        for (int cc = 0; cc < AttnVMap<D>::CPL; ++cc) {
+            const u32 c = vm.col + (u32)cc * vm.np;
+            if (c < npacks) raw[u][cc] = *(const V16*)(vh + (u64)(t0 + i) * stride + (u64)c * 16);
+        }
+    }
+}
+
+// acc[cc][g] += e_i[g] * v_i for the value step's packs in raw (attn_v_load's layout).
+template <class D, int G, int UV>
+TP_DEV void attn_v_acc(const AttnSmem<G>& sm, const AttnVLanes& vm, u32 n, u32 npacks, u32 i0,
+                       const V16 (&raw)[UV][AttnVMap<D>::CPL], float (&acc)[AttnVMap<D>::CPL][G][D::V]) {
+#pragma unroll
+    for (int u = 0; u < UV; ++u) {
+        const u32 i = i0 + (u32)u * vm.nslices;
+        if (i < n) {
+#pragma unroll
+            for (int cc = 0; cc < AttnVMap<D>::CPL; ++cc) {
+                if (vm.col + (u32)cc * vm.np < npacks) {
+                    float vf[D::V];
+                    D::unpack(raw[u][cc], vf);
+#pragma unroll
+                    for (int g = 0; g < G; ++g) {
+                        const float e = sm.s[g][i];
+#pragma unroll
+                        for (int j = 0; j < D::V; ++j) acc[cc][g][j] = fmaf(e, vf[j], acc[cc][g][j]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Whether n keys fit AttnPre (attn_split with PRE): the 16-byte path over f16/bf16 rows whose
+// packs one score step covers, one key per lane there and TP_ATTN_PRE_U in the value phase.
+template <class D>
+TP_DEV bool attn_one_step(u32 npacks, u32 n) {
+    const AttnKMap km = attn_kmap(npacks);
+    const AttnVLanes vm = attn_vmap(npacks);
+    return D::V == 8 && npacks <= 4 * km.kl && n <= km.lane_keys && n <= (u32)TP_ATTN_PRE_U * vm.nslices;
+}
+
+// This lane's K and V packs of keys t0 .. t0 + n with t0 + key in [lo, hi) into pre (keys
+// t0 .. t0 + n must be attn_one_step).
+template <class D>
+TP_DEV void attn_preload(const AttnParams& p, const u8* kh, const u8* vh, u32 t0, u32 n, u32 lo, u32 hi,
+                         AttnPre<D>& pre) {
+    const u32 npacks = p.head_dim / D::V;
+    const u64 stride = (u64)p.kv_heads * p.head_dim * D::SIZE;
+    const AttnKMap km = attn_kmap(npacks);
+    const AttnVLanes vm = attn_vmap(npacks);
+    attn_k_load<1>(kh, stride, km, t0, n, npacks, 0, km.sub, lo, hi, pre.k);
+    attn_v_load<D, TP_ATTN_PRE_U>(vh, stride, vm, t0, n, npacks, vm.slice, lo, hi, pre.v);
+}
+
 // The partial state of keys t0 .. t0 + n (1 <= n <= TP_ATTN_SPLIT) for the block's G heads:
 // sm.m[g], sm.l[g], sm.o[g][0..d). `kh`, `vh`: this KV head's slice of cache row 0; rows are
 // kv_heads * d elements apart. Needs sm.q loaded and a barrier after it; ends with a barrier.
+// With PRE the K and V packs are already in `pre` (attn_preload; the keys are attn_one_step),
+// else they are loaded here, step by step.
 //
 // Memory: every K and V element of the split once (2 * n * d * size bytes), in 16-byte loads
-// when VEC, eight per thread in flight (32 KiB per block, 64 KiB per SM at two blocks).
-template <class D, int G, bool VEC>
-TP_DEV void attn_split(const AttnParams& p, AttnSmem<G>& sm, const u8* kh, const u8* vh, u32 t0, u32 n) {
+// when VEC, eight per thread in flight (32 KiB per block, 64 KiB per SM at two blocks): a
+// block is a chain of dependent load rounds, and with a small grid (short sequences, few KV
+// heads per rank) its latency is the kernel's.
+template <class D, int G, bool VEC, bool PRE>
+TP_DEV void attn_split(const AttnParams& p, AttnSmem<G>& sm, const u8* kh, const u8* vh, u32 t0, u32 n,
+                       const AttnPre<D>& pre) {
     const u32 d = p.head_dim;
     const u32 npacks = (d + D::V - 1) / D::V;  // packs of V elements per row
     const u64 stride = (u64)p.kv_heads * d * D::SIZE;
     const u32 tid = threadIdx.x;
 
-    // 1. Scores. `kl` lanes share a key (adjacent lanes, 16 * kl contiguous bytes per load
-    // instruction and key, so a warp touches 32 / kl rows instead of 32), each summing the
-    // packs c = sub, sub + kl, ...; then a butterfly over the kl lanes. More lanes per key
-    // would cost G shuffles per key and halving; fewer would scatter a warp's loads over more
-    // rows. Each lane takes KPL keys per step, all their loads issued before any is used:
-    // a block is a chain of dependent load rounds, and with a small grid (short sequences,
-    // few KV heads per rank) its latency is the kernel's.
-    constexpr int KPL = 2;
-    const u32 kl = npacks >= 4 ? 4u : (npacks >= 2 ? 2u : 1u);
-    const u32 sub = tid % kl;
-    const u32 lane_keys = TP_ATTN_THREADS / kl;  // keys per step and u
-    for (u32 base = 0; base < n; base += KPL * lane_keys) {
-        u32 ki[KPL];
-        float dot[KPL][G];
+    // 1. Scores.
+    const AttnKMap km = attn_kmap(npacks);
+    for (u32 base = 0; base < n; base += TP_ATTN_KPL * km.lane_keys) {
+        float dot[TP_ATTN_KPL][G];
 #pragma unroll
-        for (int u = 0; u < KPL; ++u) {
-            ki[u] = base + tid / kl + (u32)u * lane_keys;
+        for (int u = 0; u < TP_ATTN_KPL; ++u)
 #pragma unroll
             for (int g = 0; g < G; ++g) dot[u][g] = 0.0f;
-        }
-        if constexpr (VEC) {
-            for (u32 c0 = sub; c0 < npacks; c0 += 4 * kl) {
-                V16 raw[KPL][4] = {};
-#pragma unroll
-                for (int u = 0; u < KPL; ++u) {
-                    const u8* row = kh + (u64)(t0 + ki[u]) * stride;
-#pragma unroll
-                    for (int x = 0; x < 4; ++x) {
-                        const u32 c = c0 + (u32)x * kl;
-                        if (ki[u] < n && c < npacks) raw[u][x] = *(const V16*)(row + (u64)c * 16);
-                    }
-                }
-#pragma unroll
-                for (int u = 0; u < KPL; ++u) {
-#pragma unroll
-                    for (int x = 0; x < 4; ++x) {
-                        const u32 c = c0 + (u32)x * kl;
-                        if (ki[u] < n && c < npacks) {
-                            float kf[D::V];
-                            D::unpack(raw[u][x], kf);
-                            attn_dot_pack<D, G>(sm, c, kf, dot[u]);
-                        }
-                    }
-                }
+        if constexpr (PRE) {
+            attn_k_dot<D, G, 1>(sm, km, n, npacks, base, km.sub, pre.k, dot);
+        } else if constexpr (VEC) {
+            for (u32 c0 = km.sub; c0 < npacks; c0 += 4 * km.kl) {
+                V16 raw[TP_ATTN_KPL][4] = {};
+                attn_k_load<TP_ATTN_KPL>(kh, stride, km, t0, n, npacks, base, c0, 0u, 0xffffffffu, raw);
+                attn_k_dot<D, G, TP_ATTN_KPL>(sm, km, n, npacks, base, c0, raw, dot);
             }
         } else {
 #pragma unroll
-            for (int u = 0; u < KPL; ++u) {
-                if (ki[u] < n) {
-                    const u8* row = kh + (u64)(t0 + ki[u]) * stride;
-                    for (u32 c = sub; c < npacks; c += kl) {
+            for (int u = 0; u < TP_ATTN_KPL; ++u) {
+                const u32 ki = base + tid / km.kl + (u32)u * km.lane_keys;
+                if (ki < n) {
+                    const u8* row = kh + (u64)(t0 + ki) * stride;
+                    for (u32 c = km.sub; c < npacks; c += km.kl) {
                         float kf[D::V];
                         attn_load_scalar<D>(row, c, d, kf);
                         attn_dot_pack<D, G>(sm, c, kf, dot[u]);
@@ -224,18 +364,19 @@ TP_DEV void attn_split(const AttnParams& p, AttnSmem<G>& sm, const u8* kh, const
         }
         // kl divides the wavefront and the key groups are aligned, so the butterfly stays
         // inside a group; every lane takes part (kl is the same in the whole block).
-        for (u32 m = 1; m < kl; m *= 2) {
+        for (u32 m = 1; m < km.kl; m *= 2) {
 #pragma unroll
-            for (int u = 0; u < KPL; ++u)
+            for (int u = 0; u < TP_ATTN_KPL; ++u)
 #pragma unroll
                 for (int g = 0; g < G; ++g) dot[u][g] += tp_shfl_xor(dot[u][g], (int)m);
         }
-        if (sub == 0) {
+        if (km.sub == 0) {
 #pragma unroll
-            for (int u = 0; u < KPL; ++u) {
-                if (ki[u] < n) {
+            for (int u = 0; u < TP_ATTN_KPL; ++u) {
+                const u32 ki = base + tid / km.kl + (u32)u * km.lane_keys;
+                if (ki < n) {
 #pragma unroll
-                    for (int g = 0; g < G; ++g) sm.s[g][ki[u]] = dot[u][g] * p.scale;
+                    for (int g = 0; g < G; ++g) sm.s[g][ki] = dot[u][g] * p.scale;
                 }
             }
         }
@@ -263,17 +404,12 @@ TP_DEV void attn_split(const AttnParams& p, AttnSmem<G>& sm, const u8* kh, const
     }
     __syncthreads();
 
-    // 3. o[g] = sum_i e_i v_i. `np` adjacent lanes read one V row (all of it when it has at
-    // most TP_WAVE packs, else CPL packs each: f32 rows of more than 128 elements on a
-    // 32-wide wave); the block's TP_ATTN_THREADS / np row slices take every nslices-th key,
-    // U keys per step with their loads issued first (U * CPL = 8 loads of 16 bytes in flight
-    // per thread; more would not fit two blocks' registers per SM next to G = 8's 64
-    // accumulators).
-    constexpr int CPL = D::V == 4 ? 2 : 1;  // f32: up to 64 packs; f16/bf16: up to 32
-    constexpr int U = 8 / CPL;
-    u32 np = 1;
-    while (np < npacks && np < (u32)TP_WAVE) np *= 2;
-    const u32 col = tid % np, slice = tid / np, nslices = TP_ATTN_THREADS / np;
+    // 3. o[g] = sum_i e_i v_i (more loads in flight would not fit two blocks' registers per SM
+    // next to G = 8's 64 accumulators).
+    constexpr int CPL = AttnVMap<D>::CPL;
+    constexpr int U = AttnVMap<D>::U;
+    const AttnVLanes vm = attn_vmap(npacks);
+    const u32 np = vm.np, col = vm.col;
     float acc[CPL][G][D::V];
 #pragma unroll
     for (int cc = 0; cc < CPL; ++cc)
@@ -281,41 +417,17 @@ TP_DEV void attn_split(const AttnParams& p, AttnSmem<G>& sm, const u8* kh, const
         for (int g = 0; g < G; ++g)
 #pragma unroll
             for (int j = 0; j < D::V; ++j) acc[cc][g][j] = 0.0f;
-    for (u32 i0 = slice; i0 < n; i0 += (u32)U * nslices) {
-        if constexpr (VEC) {
+    for (u32 i0 = vm.slice; i0 < n; i0 += (u32)U * vm.nslices) {
+        if constexpr (PRE) {
+            attn_v_acc<D, G, TP_ATTN_PRE_U>(sm, vm, n, npacks, i0, pre.v, acc);
+        } else if constexpr (VEC) {
             V16 raw[U][CPL] = {};
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const u32 i = i0 + (u32)u * nslices;
-#pragma unroll
-                for (int cc = 0; cc < CPL; ++cc) {
-                    const u32 c = col + (u32)cc * np;
-                    if (i < n && c < npacks) raw[u][cc] = *(const V16*)(vh + (u64)(t0 + i) * stride + (u64)c * 16);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const u32 i = i0 + (u32)u * nslices;
-                if (i < n) {
-#pragma unroll
-                    for (int cc = 0; cc < CPL; ++cc) {
-                        if (col + (u32)cc * np < npacks) {
-                            float vf[D::V];
-                            D::unpack(raw[u][cc], vf);
-#pragma unroll
-                            for (int g = 0; g < G; ++g) {
-                                const float e = sm.s[g][i];
-#pragma unroll
-                                for (int j = 0; j < D::V; ++j) acc[cc][g][j] = fmaf(e, vf[j], acc[cc][g][j]);
-                            }
-                        }
-                    }
-                }
-            }
+            attn_v_load<D, U>(vh, stride, vm, t0, n, npacks, i0, 0u, 0xffffffffu, raw);
+            attn_v_acc<D, G, U>(sm, vm, n, npacks, i0, raw, acc);
         } else {
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                const u32 i = i0 + (u32)u * nslices;
+                const u32 i = i0 + (u32)u * vm.nslices;
                 if (i < n) {
 #pragma unroll
                     for (int cc = 0; cc < CPL; ++cc) {
@@ -403,11 +515,12 @@ template <class D, int G>
 TP_DEV bool attn_range(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& run, const u8* kh, const u8* vh,
                        u32 b, u32 e) {
     const u32 tid = threadIdx.x, d = p.head_dim;
+    const AttnPre<D> pre = {};  // unused (PRE = false)
     if (e - b <= TP_ATTN_SPLIT) {
         if (p.vec) {
-            attn_split<D, G, true>(p, sm, kh, vh, b, e - b);
+            attn_split<D, G, true, false>(p, sm, kh, vh, b, e - b, pre);
         } else {
-            attn_split<D, G, false>(p, sm, kh, vh, b, e - b);
+            attn_split<D, G, false, false>(p, sm, kh, vh, b, e - b, pre);
         }
         return false;
     }
@@ -420,9 +533,9 @@ TP_DEV bool attn_range(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& run, co
     for (u32 t0 = b; t0 < e; t0 += TP_ATTN_SPLIT) {
         const u32 n = e - t0 < TP_ATTN_SPLIT ? e - t0 : TP_ATTN_SPLIT;
         if (p.vec) {
-            attn_split<D, G, true>(p, sm, kh, vh, t0, n);
+            attn_split<D, G, true, false>(p, sm, kh, vh, t0, n, pre);
         } else {
-            attn_split<D, G, false>(p, sm, kh, vh, t0, n);
+            attn_split<D, G, false, false>(p, sm, kh, vh, t0, n, pre);
         }
         // First chunk: run.m = -inf, so fa = e^-inf = 0 and the state becomes the chunk's.
         if (tid < (u32)G) {
@@ -442,6 +555,28 @@ TP_DEV bool attn_range(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& run, co
     return true;
 }
 
+// Where the partial of (row, head chunk hd's first head, part) starts in the workspace; the
+// next head's is parts * (d + 2) floats further.
+TP_DEV u64 attn_partial_at(const AttnParams& p, const AttnHeads& hd, u32 part, u32 row) {
+    return (((u64)row * p.heads + hd.h0) * p.parts + part) * ((u64)p.head_dim + 2);
+}
+
+// The block's partial states (sm, or run when in_run) into the workspace.
+template <int G>
+TP_DEV void attn_write_partial(const AttnParams& p, const AttnSmem<G>& sm, const AttnRun<G>& run, const AttnHeads& hd,
+                               u32 part, u32 row, bool in_run) {
+    float* ws = (float*)p.ws;
+    const u32 stride = p.head_dim + 2;
+    const u64 first = attn_partial_at(p, hd, part, row);
+    const u64 head_step = (u64)p.parts * stride;  // from head h to h + 1
+    const float* m = in_run ? run.m : sm.m;
+    const float* l = in_run ? run.l : sm.l;
+    for (u32 i = threadIdx.x; i < hd.gcount * stride; i += TP_ATTN_THREADS) {
+        const u32 g = i / stride, j = i % stride;
+        ws[first + g * head_step + j] = j == 0 ? m[g] : (j == 1 ? l[g] : (in_run ? run.o[g][j - 2] : sm.o[g][j - 2]));
+    }
+}
+
 // Grid (kv_heads * chunks, parts, rows), TP_ATTN_THREADS threads: the partial state of one
 // part of a row's positions (attn_part_len) for one head chunk, into the workspace. The
 // number of parts is the launcher's (about two blocks per SM over the grid's x and z, at most
@@ -453,18 +588,44 @@ template <class D, int G>
 TP_DEV void attn_split_kernel(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& run) {
     const AttnHeads hd = attn_heads(p);
     const u32 part = blockIdx.y, row = blockIdx.z;
+    const u32 d = p.head_dim;
+    // One query (the decode step): cache rows 0 .. pos - 1 were written by earlier steps and
+    // only row pos by the kernel before this one (the KV append); the position and the slot
+    // were written before the step (by the host, or by the sampler of the step before). So a
+    // part short enough for one step of each phase loads its other K and V rows into
+    // registers before the wait, while that kernel runs, and row pos and q after it: the two
+    // dependent HBM round trips (keys, then values) leave the chain of a short sequence. Not
+    // with several rows: a prompt's rows are all appended by the kernel before.
+    if constexpr (D::V == 8 && G <= 4) {
+        if (p.rows == 1 && p.vec) {
+            const u32 pos = attn_pos(p, row);
+            const u32 len = attn_part_len(p, pos);
+            const u32 b = part * len;
+            const u32 e = pos + 1 - b < len ? pos + 1 : b + len;
+            if (b <= pos && attn_one_step<D>(d / D::V, e - b)) {
+                const u64 hoff = (u64)hd.kvh * d * D::SIZE + attn_slot_off(p, row, D::SIZE);
+                const u8* kh = (const u8*)p.k + hoff;
+                const u8* vh = (const u8*)p.v + hoff;
+                AttnPre<D> pre = {};
+                attn_preload<D>(p, kh, vh, b, e - b, 0u, pos, pre);
+                tp_pdl_wait();
+                attn_preload<D>(p, kh, vh, b, e - b, pos, pos + 1, pre);
+                attn_load_q<G>(p, sm, row, hd.h0, hd.gcount);
+                __syncthreads();
+                attn_split<D, G, true, true>(p, sm, kh, vh, b, e - b, pre);
+                attn_write_partial<G>(p, sm, run, hd, part, row, false);
+                return;
+            }
+        }
+    }
+    tp_pdl_wait();
     const u32 pos = attn_pos(p, row);
     const u32 len = attn_part_len(p, pos);
     const u32 b = part * len;
-    const u32 d = p.head_dim;
-    float* ws = (float*)p.ws;
-    const u64 stride = (u64)d + 2;
-    const u64 first = (((u64)row * p.heads + hd.h0) * p.parts + part) * stride;
-    const u64 head_step = (u64)p.parts * stride;  // from head h to h + 1
     if (b > pos) {
         // Nothing to see here (the whole block takes this branch): an empty partial.
         if (threadIdx.x < hd.gcount) {
-            float* w = ws + first + threadIdx.x * head_step;
+            float* w = (float*)p.ws + attn_partial_at(p, hd, part, row) + threadIdx.x * (u64)p.parts * (d + 2);
             w[0] = attn_neg_inf();
             w[1] = 0.0f;
         }
@@ -475,12 +636,7 @@ TP_DEV void attn_split_kernel(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& 
     __syncthreads();
     const u64 hoff = (u64)hd.kvh * d * D::SIZE + attn_slot_off(p, row, D::SIZE);
     const bool in_run = attn_range<D, G>(p, sm, run, (const u8*)p.k + hoff, (const u8*)p.v + hoff, b, e);
-    const float* m = in_run ? run.m : sm.m;
-    const float* l = in_run ? run.l : sm.l;
-    for (u32 i = threadIdx.x; i < hd.gcount * (u32)stride; i += TP_ATTN_THREADS) {
-        const u32 g = i / (u32)stride, j = i % (u32)stride;
-        ws[first + g * head_step + j] = j == 0 ? m[g] : (j == 1 ? l[g] : (in_run ? run.o[g][j - 2] : sm.o[g][j - 2]));
-    }
+    attn_write_partial<G>(p, sm, run, hd, part, row, in_run);
 }
 
 // Grid (heads, rows), TP_ATTN_MERGE_THREADS threads: out[row, h] from the partials of the
@@ -545,10 +701,10 @@ TP_DEV void attn_single_kernel(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>&
 // Rust table (ops_attention.rs NAMES) can be checked against this file. Two blocks per SM:
 // registers capped at 128 per thread.
 #define TP_ATTN_SPLIT_KERNEL(NAME, D, G)                                                       \
-    extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_ATTN_THREADS, 2) NAME(AttnParams p) { tp_pdl_wait();       \
+    extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_ATTN_THREADS, 2) NAME(AttnParams p) {       \
         __shared__ AttnSmem<G> sm;                                                             \
         __shared__ AttnRun<G> run;                                                             \
-        attn_split_kernel<D, G>(p, sm, run);                                                   \
+        attn_split_kernel<D, G>(p, sm, run); /* calls tp_pdl_wait */                           \
     }
 #define TP_ATTN_SINGLE_KERNEL(NAME, D, G)                                                      \
     extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_ATTN_THREADS, 2) NAME(AttnParams p) { tp_pdl_wait();       \

@@ -246,8 +246,9 @@ TP_DEV u64 tp_time_ns() {
 // sm_90 with PDL on) may start while the kernel before it on the stream is still finishing;
 // tp_pdl_wait() blocks until that kernel has completed and its writes are visible (PTX
 // griddepcontrol.wait), so every read of an earlier kernel's output must come after it.
-// Work that reads only what no kernel of the step writes (weights) may run before it: that
-// is the overlap. Without the launch attribute, and on HIP, it is a no-op.
+// Work that reads only what no kernel of the step writes (weights; the KV cache rows of earlier
+// steps, in attention's one-query path) may run before it: that is the overlap. Without the
+// launch attribute, and on HIP, it is a no-op.
 //
 // Once past the wait, the block also lets the next kernel launch (griddepcontrol.
 // launch_dependents: the next grid starts when every block of this one has said so or
