@@ -446,12 +446,33 @@ fn cases(seed: u64) -> Vec<AttnCase> {
             shift: 0,
             seed: next_seed(),
         });
+        // One query over 8 KV heads of 4 query heads (Llama-3-8B's layout at TP=1): at the
+        // decode benchmark's last position and at 1023, where (with 16 parts: any GPU of 64 SMs
+        // or more) the parts are short enough for the split kernel to load K and V before its
+        // PDL wait, and at 1500, where they are not.
+        for pos in [383u32, 1023, 1500] {
+            out.push(AttnCase {
+                dtype,
+                heads: 32,
+                kv_heads: 8,
+                d: 128,
+                cap: 4096,
+                pos: vec![pos],
+                slots: vec![],
+                nslots: 1,
+                workspace: true,
+                shift: 0,
+                seed: next_seed(),
+            });
+        }
         // A batch of sequences in cache slots (an id past the last slot is clamped to it),
-        // and a prompt of three positions in one slot among them.
+        // a prompt of three positions in one slot among them, and one sequence in a slot (one
+        // row: the early loads from its slot).
         for workspace in [true, false] {
             for (pos, slots) in [
                 (vec![5u32, 299, 0, 150], vec![2u32, 0, 1, 7]),
                 (vec![7, 8, 9, 40], vec![1, 1, 1, 0]),
+                (vec![150], vec![2]),
             ] {
                 out.push(AttnCase {
                     dtype,
