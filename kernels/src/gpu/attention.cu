@@ -212,10 +212,37 @@ TP_DEV AttnVLanes attn_vmap(u32 npacks) {
     return m;
 }
 
+// A 16-byte load that skips L1 (PTX ld.global.cg): the early path's reload of row pos after
+// the PDL wait must not hit a sector that a load before the wait brought into L1 while the KV
+// append was still writing it (rows of under 32 bytes share sectors). HIP runs kernels one
+// after another (no PDL): a plain load there.
+TP_DEV V16 attn_ld_l2(const u8* p) {
+#if defined(TP_CUDA)
+    V16 v;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3])
+                 : "l"(p)
+                 : "memory");
+    return v;
+#else
+    return *(const V16*)p;
+#endif
+}
+
+// A 16-byte pack of the cache: through L1, or from L2 (attn_ld_l2) with CG.
+template <bool CG>
+TP_DEV V16 attn_ld_pack(const u8* p) {
+    if constexpr (CG) {
+        return attn_ld_l2(p);
+    } else {
+        return *(const V16*)p;
+    }
+}
+
 // This lane's K packs of the score step at keys `base` and packs `c0` into raw: keys
 // ki = base + tid / kl + u * lane_keys (u < KPL) with ki < n and t0 + ki in [lo, hi), packs
 // c0 + x * kl (x < 4) below npacks; other entries untouched.
-template <int KP>
+template <int KP, bool CG = false>
 TP_DEV void attn_k_load(const u8* kh, u64 stride, const AttnKMap& km, u32 t0, u32 n, u32 npacks, u32 base, u32 c0,
                         u32 lo, u32 hi, V16 (&raw)[KP][4]) {
 #pragma unroll
@@ -226,7 +253,7 @@ TP_DEV void attn_k_load(const u8* kh, u64 stride, const AttnKMap& km, u32 t0, u3
 #pragma unroll
         for (int x = 0; x < 4; ++x) {
             const u32 c = c0 + (u32)x * km.kl;
-            if (c < npacks) raw[u][x] = *(const V16*)(row + (u64)c * 16);
+            if (c < npacks) raw[u][x] = attn_ld_pack<CG>(row + (u64)c * 16);
         }
     }
 }
@@ -252,7 +279,7 @@ TP_DEV void attn_k_dot(const AttnSmem<G>& sm, const AttnKMap& km, u32 n, u32 npa
 
 // This lane's V packs of the value step at key i0 into raw: keys i = i0 + u * nslices (u < UV)
 // with i < n and t0 + i in [lo, hi), packs col + cc * np (cc < CPL) below npacks.
-template <class D, int UV>
+template <class D, int UV, bool CG = false>
 TP_DEV void attn_v_load(const u8* vh, u64 stride, const AttnVLanes& vm, u32 t0, u32 n, u32 npacks, u32 i0, u32 lo,
                         u32 hi, V16 (&raw)[UV][AttnVMap<D>::CPL]) {
 #pragma unroll
@@ -262,7 +289,7 @@ TP_DEV void attn_v_load(const u8* vh, u64 stride, const AttnVLanes& vm, u32 t0, 
 #pragma unroll
         for (int cc = 0; cc < AttnVMap<D>::CPL; ++cc) {
             const u32 c = vm.col + (u32)cc * vm.np;
-            if (c < npacks) raw[u][cc] = *(const V16*)(vh + (u64)(t0 + i) * stride + (u64)c * 16);
+            if (c < npacks) raw[u][cc] = attn_ld_pack<CG>(vh + (u64)(t0 + i) * stride + (u64)c * 16);
         }
     }
 }
@@ -302,16 +329,16 @@ TP_DEV bool attn_one_step(u32 npacks, u32 n) {
 }
 
 // This lane's K and V packs of keys t0 .. t0 + n with t0 + key in [lo, hi) into pre (keys
-// t0 .. t0 + n must be attn_one_step).
-template <class D>
+// t0 .. t0 + n must be attn_one_step); from L2 with CG.
+template <class D, bool CG>
 TP_DEV void attn_preload(const AttnParams& p, const u8* kh, const u8* vh, u32 t0, u32 n, u32 lo, u32 hi,
                          AttnPre<D>& pre) {
     const u32 npacks = p.head_dim / D::V;
     const u64 stride = (u64)p.kv_heads * p.head_dim * D::SIZE;
     const AttnKMap km = attn_kmap(npacks);
     const AttnVLanes vm = attn_vmap(npacks);
-    attn_k_load<1>(kh, stride, km, t0, n, npacks, 0, km.sub, lo, hi, pre.k);
-    attn_v_load<D, TP_ATTN_PRE_U>(vh, stride, vm, t0, n, npacks, vm.slice, lo, hi, pre.v);
+    attn_k_load<1, CG>(kh, stride, km, t0, n, npacks, 0, km.sub, lo, hi, pre.k);
+    attn_v_load<D, TP_ATTN_PRE_U, CG>(vh, stride, vm, t0, n, npacks, vm.slice, lo, hi, pre.v);
 }
 
 // The partial state of keys t0 .. t0 + n (1 <= n <= TP_ATTN_SPLIT) for the block's G heads:
@@ -607,9 +634,9 @@ TP_DEV void attn_split_kernel(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& 
                 const u8* kh = (const u8*)p.k + hoff;
                 const u8* vh = (const u8*)p.v + hoff;
                 AttnPre<D> pre = {};
-                attn_preload<D>(p, kh, vh, b, e - b, 0u, pos, pre);
+                attn_preload<D, false>(p, kh, vh, b, e - b, 0u, pos, pre);
                 tp_pdl_wait();
-                attn_preload<D>(p, kh, vh, b, e - b, pos, pos + 1, pre);
+                attn_preload<D, true>(p, kh, vh, b, e - b, pos, pos + 1, pre);
                 attn_load_q<G>(p, sm, row, hd.h0, hd.gcount);
                 __syncthreads();
                 attn_split<D, G, true, true>(p, sm, kh, vh, b, e - b, pre);
