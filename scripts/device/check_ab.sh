@@ -11,7 +11,9 @@
 # the 27B TP=1 (128 tokens) and Llama-3-8B TP=1 (256 after a 128-token prompt), graph + PDL,
 # each with a check that both binaries give the same tokens; and the device copy bandwidth.
 # PEER=1 adds, after the Llama rounds, the torch.compile'd transformers loop on the same
-# checkpoint (scripts/peer_hf_decode.py: issue 9's peer, ~2.5 minutes).
+# checkpoint (scripts/peer_hf_decode.py: issue 9's peer, ~2.5 minutes). BENCH=1 adds NEW's
+# `bench gemv --quant int4` (issue 11's int4 GEMV against the copy rate) while the 27B synth
+# finishes. PEER=1 BENCH=1 ROUNDS=1 covers both issues' speed targets in one call.
 # STORIES_DIR travels in an ignored folder of the checkout (carry it). Results in $OUT.
 # DEADLINE (epoch seconds): sections that no longer fit are skipped and say so.
 set -uo pipefail
@@ -66,6 +68,11 @@ if [ "${PEER:-0}" = 1 ] && room 200 peer; then
     echo "== peer: transformers static cache + torch.compile (same checkpoint, 256 after 128)"
     PYTHONUNBUFFERED=1 timeout 240 python3 "$root/scripts/peer_hf_decode.py" --model $l --prompt-len 128 --new-tokens 256 --modes compile --repeats 1 --json > "$out/peer.json" 2> "$out/peer.err" || { fail peer; tail -5 "$out/peer.err"; }
     cat "$out/peer.json"
+fi
+if [ "${BENCH:-0}" = 1 ] && room 120 "bench gemv"; then
+    echo "== bench gemv --quant int4 (NEW)"
+    timeout 150 "${bins[0]}" --backend cuda --timeout 180 bench gemv --quant int4 > "$out/gemv.txt" 2>&1 || fail "bench gemv"
+    cat "$out/gemv.txt"
 fi
 wait $sq || { fail "synth 27b"; tail -3 "$out/synth-q.err"; }
 echo "27b synth done after $(( $(date +%s) - t0 )) s"
