@@ -100,12 +100,22 @@ fn quant_name(q: GemvQuant) -> String {
 
 struct Collector {
     rows: Vec<GemvRow>,
-    /// The ceiling: the faster of the two copies.
-    copy_tbps: Option<f64>,
     /// TB/s of the driver's copy and of the copy kernel.
     copies: Option<(f64, f64)>,
     out: Vec<RowOut>,
     json: bool,
+}
+
+/// TB/s of `bytes` moved in `us` microseconds.
+fn tb_per_s(bytes: u64, us: f64) -> f64 {
+    bytes as f64 / (us * 1e-6) / 1e12
+}
+
+impl Collector {
+    /// The ceiling: the faster of the two copies.
+    fn copy_tbps(&self) -> Option<f64> {
+        self.copies.map(|(m, k)| m.max(k))
+    }
 }
 
 impl Observer for Collector {
@@ -119,11 +129,10 @@ impl Observer for Collector {
                 memcpy_us,
                 kernel_us,
             } => {
-                let rate = |us: f64| bytes as f64 / (us * 1e-6) / 1e12;
-                let (by_memcpy, by_kernel) = (rate(memcpy_us), rate(kernel_us));
-                let tbps = by_memcpy.max(by_kernel);
-                self.copy_tbps = Some(tbps);
+                let (by_memcpy, by_kernel) =
+                    (tb_per_s(bytes, memcpy_us), tb_per_s(bytes, kernel_us));
                 self.copies = Some((by_memcpy, by_kernel));
+                let tbps = self.copy_tbps().unwrap_or(f64::NAN);
                 if !self.json {
                     println!(
                         "# device copy, {bytes} bytes read + written: {memcpy_us:.1} us by the \
@@ -145,7 +154,7 @@ impl Observer for Collector {
                 let Some(r) = self.rows.get(index as usize).copied() else {
                     return;
                 };
-                let tbps = bytes as f64 / (us * 1e-6) / 1e12;
+                let tbps = tb_per_s(bytes, us);
                 let out = RowOut {
                     n: r.n,
                     k: r.k,
@@ -156,7 +165,7 @@ impl Observer for Collector {
                     bytes,
                     time_us: us,
                     tbps,
-                    of_copy: self.copy_tbps.map_or(f64::NAN, |c| tbps / c),
+                    of_copy: self.copy_tbps().map_or(f64::NAN, |c| tbps / c),
                     graph,
                 };
                 if !self.json {
@@ -188,7 +197,6 @@ pub fn run(settings: &Settings, args: &BenchGemvArgs) -> Result<i32, JobError> {
     let rows = rows(args).map_err(|e| JobError::Usage(format!("{e:#}")))?;
     let mut col = Collector {
         rows: rows.clone(),
-        copy_tbps: None,
         copies: None,
         out: Vec::new(),
         json: args.json,
@@ -219,7 +227,7 @@ pub fn run(settings: &Settings, args: &BenchGemvArgs) -> Result<i32, JobError> {
             "world": settings.world,
             "backend": settings.backend.name(),
             "devices": settings.devices,
-            "copy_tbps": col.copy_tbps,
+            "copy_tbps": col.copy_tbps(),
             "copy_memcpy_tbps": col.copies.map(|c| c.0),
             "copy_kernel_tbps": col.copies.map(|c| c.1),
             "rows": col.out,
