@@ -32,7 +32,6 @@ if [ "${PEER:-0}" = 1 ]; then
     echo "== device copy bandwidth"
     python3 "$root/scripts/device/copy_bw.py" | tee "$out/copy.txt" || { echo "FAILED: copy bandwidth"; status=1; }
     echo "== peer: transformers static cache + torch.compile (same checkpoint)"
-    PYTHONUNBUFFERED=1 timeout 300 python3 "$root/scripts/peer_hf_decode.py" --model /tmp/l8b --prompt-len 128 --new-tokens 256 --modes compile --repeats 1 --json > "$out/peer.json" 2>"$out/peer.err" || { echo "FAILED: peer"; tail -5 "$out/peer.err"; status=1; }
-    cat "$out/peer.json"
+    tprun_peer /tmp/l8b 300
 fi
 exit $status

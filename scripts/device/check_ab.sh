@@ -28,7 +28,7 @@ t0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 tprun_synth_27b "${bins[0]}" $q 2> "$out/synth-q.err" &
 sq=$!
-"${bins[0]}" synth --arch llama --preset llama3-8b --dtype bf16 --out $l > /dev/null 2> "$out/synth-l.err" &
+tprun_synth_l8b "${bins[0]}" $l 2> "$out/synth-l.err" &
 sl=$!
 echo "== selftest (NEW)"
 timeout 300 "${bins[0]}" selftest > "$out/selftest.txt" 2>&1 || fail selftest
@@ -66,8 +66,7 @@ done
 [ -f "$out/l8b-r1-1.json" ] && same l8b-r1
 if [ "${PEER:-0}" = 1 ] && room 200 peer; then
     echo "== peer: transformers static cache + torch.compile (same checkpoint, 256 after 128)"
-    PYTHONUNBUFFERED=1 timeout 240 python3 "$root/scripts/peer_hf_decode.py" --model $l --prompt-len 128 --new-tokens 256 --modes compile --repeats 1 --json > "$out/peer.json" 2> "$out/peer.err" || { fail peer; tail -5 "$out/peer.err"; }
-    cat "$out/peer.json"
+    tprun_peer $l 240
 fi
 if [ "${BENCH:-0}" = 1 ] && room 120 "bench gemv"; then
     echo "== bench gemv --quant int4 (NEW)"

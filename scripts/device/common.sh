@@ -20,6 +20,12 @@
 #                           away, else prints "SKIPPED (time): WHAT" and fails
 #   tprun_synth_27b BIN DIR synth qwen3_5 27b with its MLP in GPTQ int4 (group 128), the rest
 #                           bf16 (the official checkpoint's layout), into DIR; stdout dropped
+#   tprun_synth_l8b BIN DIR synth llama3-8b bf16 (the decode benchmark's 16 GB) into DIR;
+#                           stdout dropped
+#   tprun_peer MODEL SECS   issue 9's peer on MODEL (scripts/peer_hf_decode.py: transformers
+#                           static cache + torch.compile, 256 tokens after 128) into
+#                           $out/peer.json, printed; at most SECS, cut to end 20 s before
+#                           DEADLINE; `fail peer` when it fails ($root and $out: the caller's)
 #   tprun_prompt128 FILE    writes the 127-byte prompt of the Llama benchmarks (128 tokens with
 #                           the byte-level tokenizer's BOS) to FILE
 #   tprun_decode_line JSON COPY_TXT LABEL
@@ -32,6 +38,21 @@ room() { [ -z "${DEADLINE:-}" ] || [ $(( DEADLINE - $(date +%s) )) -ge "$1" ] ||
 
 tprun_synth_27b() {
     "$1" synth --arch qwen3_5 --preset 27b --quant gptq-int4 --group-size 128 --dtype bf16 --out "$2" > /dev/null
+}
+
+tprun_synth_l8b() {
+    "$1" synth --arch llama --preset llama3-8b --dtype bf16 --out "$2" > /dev/null
+}
+
+tprun_peer() {
+    local s=$2
+    if [ -n "${DEADLINE:-}" ] && [ $(( DEADLINE - $(date +%s) - 20 )) -lt "$s" ]; then
+        s=$(( DEADLINE - $(date +%s) - 20 ))
+    fi
+    PYTHONUNBUFFERED=1 timeout "$s" python3 "$root/scripts/peer_hf_decode.py" --model "$1" --prompt-len 128 \
+        --new-tokens 256 --modes compile --repeats 1 --json > "$out/peer.json" 2> "$out/peer.err" \
+        || { fail peer; tail -5 "$out/peer.err"; }
+    cat "$out/peer.json"
 }
 
 tprun_prompt128() {

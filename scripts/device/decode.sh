@@ -138,7 +138,7 @@ sec_kill() {
 
 sec_synth() {
     echo "== synth llama3-8b bf16"
-    t0=$(date +%s); $bin synth --arch llama --preset llama3-8b --dtype bf16 --out $m > /dev/null 2>&1 || fail synth
+    t0=$(date +%s); tprun_synth_l8b $bin $m 2> /dev/null || fail synth
     echo "synth took $(( $(date +%s) - t0 )) s; $(du -sh $m | cut -f1)"
     # A 128-token prompt (byte-level tokenizer).
     tprun_prompt128 /tmp/prompt.txt
@@ -176,8 +176,7 @@ sec_copy() {
 sec_peer() {
     room 150 peer || return 0
     echo "== peer: transformers static cache + torch.compile"
-    PYTHONUNBUFFERED=1 timeout $(( DEADLINE - $(date +%s) - 20 )) python3 "$root/scripts/peer_hf_decode.py" --model $m --prompt-len 128 --new-tokens 256 --modes compile --repeats 1 --json > "$out/peer.json" 2>"$out/peer.err" || { fail peer; tail -5 "$out/peer.err"; }
-    cat "$out/peer.json"
+    tprun_peer $m 600
 }
 
 sec_hf() {

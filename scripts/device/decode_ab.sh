@@ -19,7 +19,7 @@ done
 . "$root/scripts/device/common.sh"
 tprun_ab "$@"
 m=/tmp/l8b
-"${bins[0]}" synth --arch llama --preset llama3-8b --dtype bf16 --out $m > /dev/null 2>&1 &
+tprun_synth_l8b "${bins[0]}" $m 2> /dev/null &
 synth=$!
 if [ $selftest = 1 ]; then
     echo "== selftest (${bins[0]})"

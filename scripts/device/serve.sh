@@ -26,7 +26,7 @@ status=0
 if [ -z "${SERVE_MODEL:-}" ]; then
     echo "== synth llama3-8b bf16"
     t0=$(date +%s)
-    [ -d $m ] || $bin synth --arch llama --preset llama3-8b --dtype bf16 --out $m > /dev/null 2>&1 || fail synth
+    [ -d $m ] || tprun_synth_l8b $bin $m 2> /dev/null || fail synth
     echo "synth took $(( $(date +%s) - t0 )) s"
 fi
 
