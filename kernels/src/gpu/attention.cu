@@ -134,7 +134,7 @@ struct AttnVMap {
 };
 
 // The K and V packs of one lane for a part that is one step of each phase with a single key
-// per lane in the score phase and TP_ATTN_PRE_U in the value phase (attn_one_step: f16/bf16
+// per lane in the score phase and TP_ATTN_PRE_U in the value phase (attn_pre_fits: f16/bf16
 // rows of at most 128 elements, at most 64 keys at head_dim 128), loaded before the step's
 // inputs are ready (attn_split_kernel's early path). Half a full step's registers: the full
 // one spilled next to G = 4's accumulators.
@@ -322,14 +322,14 @@ TP_DEV void attn_v_acc(const AttnSmem<G>& sm, const AttnVLanes& vm, u32 n, u32 n
 // Whether n keys fit AttnPre (attn_split with PRE): the 16-byte path over f16/bf16 rows whose
 // packs one score step covers, one key per lane there and TP_ATTN_PRE_U in the value phase.
 template <class D>
-TP_DEV bool attn_one_step(u32 npacks, u32 n) {
+TP_DEV bool attn_pre_fits(u32 npacks, u32 n) {
     const AttnKMap km = attn_kmap(npacks);
     const AttnVLanes vm = attn_vmap(npacks);
     return D::V == 8 && npacks <= 4 * km.kl && n <= km.lane_keys && n <= (u32)TP_ATTN_PRE_U * vm.nslices;
 }
 
 // This lane's K and V packs of keys t0 .. t0 + n with t0 + key in [lo, hi) into pre (keys
-// t0 .. t0 + n must be attn_one_step); from L2 with CG.
+// t0 .. t0 + n must be attn_pre_fits); from L2 with CG.
 template <class D, bool CG>
 TP_DEV void attn_preload(const AttnParams& p, const u8* kh, const u8* vh, u32 t0, u32 n, u32 lo, u32 hi,
                          AttnPre<D>& pre) {
@@ -344,7 +344,7 @@ TP_DEV void attn_preload(const AttnParams& p, const u8* kh, const u8* vh, u32 t0
 // The partial state of keys t0 .. t0 + n (1 <= n <= TP_ATTN_SPLIT) for the block's G heads:
 // sm.m[g], sm.l[g], sm.o[g][0..d). `kh`, `vh`: this KV head's slice of cache row 0; rows are
 // kv_heads * d elements apart. Needs sm.q loaded and a barrier after it; ends with a barrier.
-// With PRE the K and V packs are already in `pre` (attn_preload; the keys are attn_one_step),
+// With PRE the K and V packs are already in `pre` (attn_preload; the keys are attn_pre_fits),
 // else they are loaded here, step by step.
 //
 // Memory: every K and V element of the split once (2 * n * d * size bytes), in 16-byte loads
@@ -619,7 +619,7 @@ TP_DEV void attn_split_kernel(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& 
     // One query (the decode step): cache rows 0 .. pos - 1 were written by earlier steps and
     // only row pos by the kernel before this one (the KV append); the position and the slot
     // were written before the step (by the host, or by the sampler of the step before). So a
-    // part short enough for one step of each phase loads its other K and V rows into
+    // part that fits AttnPre (attn_pre_fits) loads its other K and V rows into
     // registers before the wait, while that kernel runs, and row pos and q after it: the two
     // dependent HBM round trips (keys, then values) leave the chain of a short sequence. Not
     // with several rows: a prompt's rows are all appended by the kernel before.
@@ -629,7 +629,7 @@ TP_DEV void attn_split_kernel(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& 
             const u32 len = attn_part_len(p, pos);
             const u32 b = part * len;
             const u32 e = pos + 1 - b < len ? pos + 1 : b + len;
-            if (b <= pos && attn_one_step<D>(d / D::V, e - b)) {
+            if (b <= pos && attn_pre_fits<D>(d / D::V, e - b)) {
                 const u64 hoff = (u64)hd.kvh * d * D::SIZE + attn_slot_off(p, row, D::SIZE);
                 const u8* kh = (const u8*)p.k + hoff;
                 const u8* vh = (const u8*)p.v + hoff;
