@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A change to the decode step checked and timed in one call (~7 minutes):
 #
-#   scripts/device/check_ab.sh NEW BASE STORIES_DIR
+#   scripts/device/check_ab.sh NEW BASE STORIES_DIR [MORE...]
 #
 # While synth qwen3_5 27b (GPTQ int4 MLP, group 128) and synth llama3-8b bf16 are written in the
 # background: NEW's `tprun selftest` (every kernel against its CPU twin), `qwen35.sh check` (the
@@ -10,6 +10,8 @@
 # backend). Then the two decode benchmarks, NEW and BASE alternated, ROUNDS rounds (default 1):
 # the 27B TP=1 (128 tokens) and Llama-3-8B TP=1 (256 after a 128-token prompt), graph + PDL,
 # each with a check that both binaries give the same tokens; and the device copy bandwidth.
+# MORE binaries (bin 2, 3, ...) join the Llama rounds only (e.g. each of two changes alone
+# beside NEW, which has both), with the same tokens check against NEW.
 # PEER=1 adds, after the Llama rounds, the torch.compile'd transformers loop on the same
 # checkpoint (scripts/peer_hf_decode.py: issue 9's peer, ~2.5 minutes). BENCH=1 adds NEW's
 # `bench gemv --quant int4` (issue 11's int4 GEMV against the copy rate) while the 27B synth
@@ -18,9 +20,9 @@
 # DEADLINE (epoch seconds): sections that no longer fit are skipped and say so.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
-[ $# -eq 3 ] || { echo "usage: check_ab.sh NEW BASE STORIES_DIR"; exit 2; }
+[ $# -ge 3 ] || { echo "usage: check_ab.sh NEW BASE STORIES_DIR [MORE...]"; exit 2; }
 . "$root/scripts/device/common.sh"
-tprun_ab "$1" "$2"  # $bins, $out, the kernel cache, libnvrtc, status=0
+tprun_ab "$1" "$2" "${@:4}"  # $bins, $out, the kernel cache, libnvrtc, status=0
 stories="$(realpath "$3")"
 q=/tmp/tprun-ab-q35-27b l=/tmp/tprun-ab-l8b
 trap 'rm -rf "$q" "$l"' EXIT
@@ -52,18 +54,23 @@ run() {  # run BIN_INDEX TAG MODEL DECODE_FLAGS...
         || { fail "bin $i $tag"; tail -3 "$out/$tag-$i.err"; return; }
     tprun_decode_line "$out/$tag-$i.json" "$out/copy.txt" "$tag bin $i"
 }
-same() {  # same TAG: NEW and BASE gave the same tokens
-    python3 -c "import json,sys;a,b=(json.load(open(f'$out/$1-{i}.json'))['token_ids'] for i in (0,1));print('$1: same tokens in both binaries:',a==b);sys.exit(0 if a==b else 1)" \
-        || fail "$1 tokens differ"
+same() {  # same TAG BINS...: every binary's tokens are NEW's
+    local tag=$1 i; shift
+    for i in "$@"; do
+        [ "$i" = 0 ] && continue
+        python3 -c "import json,sys;a,b=(json.load(open(f'$out/$tag-{i}.json'))['token_ids'] for i in (0,$i));print('$tag: bin $i gives the same tokens as bin 0:',a==b);sys.exit(0 if a==b else 1)" \
+            || fail "$tag tokens differ (bin $i)"
+    done
 }
-echo "== decode TP=1, graph + PDL: Llama-3-8B (256 after 128), 27B GPTQ (128 tokens); bin 0 NEW, bin 1 BASE"
+echo "== decode TP=1, graph + PDL: Llama-3-8B (256 after 128), 27B GPTQ (128 tokens); bin 0 NEW, bin 1 BASE, bins 2.. MORE"
+all=$(seq 0 $(( ${#bins[@]} - 1 )))
 wait $sl || { fail "synth llama"; tail -3 "$out/synth-l.err"; }
 echo "llama synth done after $(( $(date +%s) - t0 )) s"
 for r in $(seq "${ROUNDS:-1}"); do
     room 40 "llama round $r" || break
-    for i in 0 1; do run $i "l8b-r$r" $l --prompt-file /tmp/prompt.txt --max-new-tokens 256; done
+    for i in $all; do run $i "l8b-r$r" $l --prompt-file /tmp/prompt.txt --max-new-tokens 256; done
 done
-[ -f "$out/l8b-r1-1.json" ] && same l8b-r1
+[ -f "$out/l8b-r1-1.json" ] && same l8b-r1 $all
 if [ "${PEER:-0}" = 1 ] && room 200 peer; then
     echo "== peer: transformers static cache + torch.compile (same checkpoint, 256 after 128)"
     tprun_peer $l 240
@@ -79,6 +86,6 @@ for r in $(seq "${ROUNDS:-1}"); do
     room 110 "27b round $r" || break
     for i in 0 1; do run $i "q35-r$r" $q --prompt "Once upon a time, in a land far away" --max-new-tokens 128; done
 done
-[ -f "$out/q35-r1-1.json" ] && same q35-r1
+[ -f "$out/q35-r1-1.json" ] && same q35-r1 0 1
 echo "check_ab.sh: $([ $status -eq 0 ] && echo PASS || echo FAILED) after $(( $(date +%s) - t0 )) s"
 exit $status
