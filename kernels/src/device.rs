@@ -165,7 +165,9 @@ impl<'a, B> View<'a, B> {
 }
 
 /// The ops a backend runs, each with its validated argument struct ([`crate::ops`]). Outputs
-/// may not overlap inputs unless the op says so.
+/// may not overlap inputs unless the op says so. (An op is built on the stack for one `run`
+/// and never stored, so the size of its largest variant costs nothing worth a box.)
+#[allow(clippy::large_enum_variant)]
 pub enum Op<'a, B> {
     Copy(ops::Copy<'a, B>),
     ReduceSum(ops::ReduceSum<'a, B>),
@@ -187,6 +189,7 @@ pub enum Op<'a, B> {
     Add(ops::Add<'a, B>),
     Matmul(ops::Matmul<'a, B>),
     AddNormMatmul(ops::AddNormMatmul<'a, B>),
+    QkvMatmul(ops::QkvMatmul<'a, B>),
     MatmulInt4(ops::MatmulInt4<'a, B>),
     ShardTopK(ops::ShardTopK<'a, B>),
     Sample(ops::Sample<'a, B>),
@@ -231,6 +234,12 @@ impl<B> Op<'_, B> {
                 a.k,
                 if a.m > 1 { " (prefill)" } else { "" }
             ),
+            Op::QkvMatmul(a) => format!(
+                "{}matmul+qkv_rope {}x{}",
+                if a.seam.is_some() { "add_norm+" } else { "" },
+                a.n(),
+                a.k
+            ),
             Op::Attention(a) if a.rows > 1 => "attention (prefill)".into(),
             other => other.name().into(),
         }
@@ -256,6 +265,7 @@ impl<B> Op<'_, B> {
             Op::Add(_) => "add",
             Op::Matmul(_) => "matmul",
             Op::AddNormMatmul(_) => "add_norm_matmul",
+            Op::QkvMatmul(_) => "qkv_matmul",
             Op::MatmulInt4(_) => "matmul_int4",
             Op::ShardTopK(_) => "shard_topk",
             Op::Sample(_) => "sample",
@@ -284,6 +294,7 @@ impl<B> Op<'_, B> {
             Op::Add(a) => a.validate(),
             Op::Matmul(a) => a.validate(),
             Op::AddNormMatmul(a) => a.validate(),
+            Op::QkvMatmul(a) => a.validate(),
             Op::MatmulInt4(a) => a.validate(),
             Op::ShardTopK(a) => a.validate(),
             Op::Sample(a) => a.validate(),

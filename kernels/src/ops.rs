@@ -705,6 +705,119 @@ impl<B> AddNormMatmul<'_, B> {
     }
 }
 
+/// [`AddNormMatmul`]'s residual seam, where another product takes it ([`QkvMatmul`]): the
+/// product's input is `rms_norm(x + delta) · norm_w`, and `x + delta` is also written to `x_out`.
+pub struct Seam<'a, B> {
+    pub delta: View<'a, B>,
+    pub norm_w: View<'a, B>,
+    pub x_out: Option<View<'a, B>>,
+    pub eps: f32,
+}
+
+impl<B> Clone for Seam<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B> std::marker::Copy for Seam<'_, B> {}
+
+/// `y = f(x) · wᵀ (+ bias)` for `m` rows of `k` into `n` outputs, f the identity or, with
+/// `seam`, its add + RMSNorm (`x` then the residual): a [`Matmul`] or an [`AddNormMatmul`].
+#[allow(clippy::too_many_arguments)]
+pub fn seam_matmul<'a, B>(
+    x: View<'a, B>,
+    seam: Option<Seam<'a, B>>,
+    w: View<'a, B>,
+    bias: Option<View<'a, B>>,
+    y: View<'a, B>,
+    m: usize,
+    k: usize,
+    n: usize,
+) -> crate::device::Op<'a, B> {
+    match seam {
+        None => crate::device::Op::Matmul(Matmul {
+            x,
+            w,
+            bias,
+            y,
+            m,
+            k,
+            n,
+            prologue: Prologue::None,
+            epilogue: Epilogue::None,
+        }),
+        Some(s) => crate::device::Op::AddNormMatmul(AddNormMatmul {
+            x,
+            delta: s.delta,
+            norm_w: s.norm_w,
+            x_out: s.x_out,
+            eps: s.eps,
+            w,
+            bias,
+            y,
+            m,
+            k,
+            n,
+        }),
+    }
+}
+
+/// The q|k|v projection of one decode token with [`QkvRope`]'s work as its epilogue, where that
+/// work needs nothing across a head (no q/k norm, RoPE over the whole head: Llama, Mistral,
+/// Qwen2): the product `f(x) · wᵀ (+ bias)` of `x`: [1, k] f32 (f the identity, or with `seam`
+/// the residual add + RMSNorm of [`AddNormMatmul`]) and `w`: [(heads + 2·kv_heads)·head_dim,
+/// k] (f32, f16 or bf16), then `rope` on it. Equals that product ([`Matmul`] or
+/// [`AddNormMatmul`]) into `rope.qkv` followed by `rope`; `rope.qkv` is scratch for a backend
+/// that runs the two apart (the CPU), and is left alone by one that does both in one pass
+/// (the GPU's GEMV, whose waves sum rows i and i + head_dim/2 of a head together): its
+/// contents afterwards are unspecified. `rope.rows` = 1, `rope.rotary_dim` = `rope.head_dim`,
+/// no q/k norm.
+pub struct QkvMatmul<'a, B> {
+    pub x: View<'a, B>,
+    pub seam: Option<Seam<'a, B>>,
+    pub w: View<'a, B>,
+    pub bias: Option<View<'a, B>>,
+    pub k: usize,
+    pub rope: QkvRope<'a, B>,
+}
+
+impl<'a, B> QkvMatmul<'a, B> {
+    /// Rows of `w`: the q, k and v heads' dims.
+    pub fn n(&self) -> usize {
+        let r = &self.rope;
+        (r.heads + 2 * r.kv_heads) * r.head_dim
+    }
+
+    /// The product alone, into `rope.qkv`.
+    pub fn product(&self) -> crate::device::Op<'a, B> {
+        let y = self.rope.qkv;
+        seam_matmul(self.x, self.seam, self.w, self.bias, y, 1, self.k, self.n())
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let r = &self.rope;
+        if r.rows != 1 || r.q_norm.is_some() || r.rotary_dim != r.head_dim {
+            return Err(bad(
+                "qkv_matmul",
+                format!(
+                    "one row, no q/k norm and RoPE over the whole head (got {} rows, {}, \
+                     rotary_dim {} of head_dim {})",
+                    r.rows,
+                    if r.q_norm.is_some() {
+                        "a q/k norm"
+                    } else {
+                        "no norm"
+                    },
+                    r.rotary_dim,
+                    r.head_dim
+                ),
+            ));
+        }
+        r.validate()?;
+        self.product().validate()
+    }
+}
+
 /// [`Matmul`] over GPTQ int4 weights in the layout of [`crate::int4`]: `y = f(x) · wᵀ`, with
 /// `w[row][perm[j]] += (q[row][j] − z[row][j / group]) · s[row][j / group]` over the `kq =
 /// groups · group` stored inputs j, accumulated in f32. `x`, `f`, `y`, `m` as in [`Matmul`]

@@ -1,6 +1,6 @@
-// A host stand-in for kernels/src/gpu/portable.h, enough to run gemv_q4.cu's kernels on a CPU
-// (scripts/emulate_gemv_q4.sh): one std::thread per thread of a block, one block at a time;
-// wave sums and shuffles through a barrier per wave, __syncthreads through one per block,
+// A host stand-in for kernels/src/gpu/portable.h, enough to run gemv_q4.cu's kernels
+// (scripts/emulate_gemv_q4.sh) and gemv.cu's q|k|v kernels (scripts/emulate_gemv_rope.sh) on a
+// CPU: one std::thread per thread of a block, one block at a time; wave sums and shuffles through a barrier per wave, __syncthreads through one per block,
 // __shared__ arrays static (blocks run one after another). Only for checking a kernel's
 // arithmetic and indexing without a GPU.
 #pragma once
@@ -62,6 +62,22 @@ inline int tp_dot4_u8s8(u32 a, u32 b, int acc) {
 inline float __expf(float x) { return std::exp(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float tp_f16_to_f32(u16 h) { return (float)*(const _Float16*)&h; }
+// Round to nearest even, as portable.h (NaN payloads aside: the emulators feed no NaN here).
+inline u16 tp_f32_to_f16(float f) {
+    const _Float16 h = (_Float16)f;
+    u16 b;
+    std::memcpy(&b, &h, 2);
+    return b;
+}
+inline float tp_bf16_to_f32(u16 b) { return tp_f32_from_bits((u32)b << 16); }
+inline u16 tp_f32_to_bf16(float f) {
+    const u32 x = tp_f32_bits(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (u16)((x >> 16) | 0x0040u);
+    const u32 round = 0x8000u;
+    if ((x & round) != 0 && (x & (3u * round - 1u)) != 0) return (u16)((x >> 16) + 1);
+    return (u16)(x >> 16);
+}
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline void tp_pdl_wait() {}
 
 // One barrier per wave (emu_waves[threadIdx.x / TP_WAVE]) and one per block; the launcher

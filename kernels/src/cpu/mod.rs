@@ -131,6 +131,11 @@ impl Device for CpuDevice {
             Op::Add(a) => ops::elementwise::add(self, &a.a, &a.b, &a.out),
             Op::Matmul(a) => ops::decode::matmul(self, a),
             Op::AddNormMatmul(a) => ops::decode::add_norm_matmul(self, a),
+            // The two steps apart, through the op's scratch (ops::QkvMatmul).
+            Op::QkvMatmul(a) => {
+                self.launch(&a.product())?;
+                ops::decode::qkv_rope(self, &a.rope)
+            }
             Op::MatmulInt4(a) => ops::int4::matmul_int4(self, a),
             Op::ShardTopK(a) => ops::decode::shard_topk(a),
             Op::Sample(a) => ops::decode::sample(a),

@@ -15,7 +15,7 @@ impl Launcher<'_> {
     /// Queues one decode op (arguments already validated by `Device::run`).
     pub(crate) fn decode_op(&self, op: &Op<'_, CudaBuf>) -> Result<()> {
         match op {
-            Op::Matmul(_) | Op::AddNormMatmul(_) => ops_gemv::launch(self, op),
+            Op::Matmul(_) | Op::AddNormMatmul(_) | Op::QkvMatmul(_) => ops_gemv::launch(self, op),
             Op::MatmulInt4(_) => ops_gemv_q4::launch(self, op),
             Op::Attention(_) => ops_attention::launch(self, op),
             Op::ShardTopK(_) | Op::Sample(_) => ops_sample::launch(self, op),

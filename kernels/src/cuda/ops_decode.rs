@@ -499,13 +499,13 @@ pub(super) fn f32s(rng: &mut Rng, n: usize, exps: std::ops::RangeInclusive<i32>)
     rng.bytes(DType::F32, n, exps)
 }
 
-fn u32s(v: &[u32]) -> Vec<u8> {
+pub(super) fn u32s(v: &[u32]) -> Vec<u8> {
     crate::dtype::encode_u32(v)
 }
 
 /// RoPE inverse frequencies for `half` pairs: theta^(−2i/head_dim), rounded to f32 (what
 /// transformers computes for default RoPE).
-fn inv_freq(half: usize, theta: f64) -> Vec<u8> {
+pub(super) fn inv_freq(half: usize, theta: f64) -> Vec<u8> {
     let v: Vec<f32> = (0..half)
         .map(|i| theta.powf(-2.0 * i as f64 / (2 * half) as f64) as f32)
         .collect();

@@ -1,6 +1,7 @@
 //! Launchers of `kernels/src/gpu/gemv.cu`: `Matmul` (`y = f(x) · wᵀ (+ bias)`), one launch
 //! per call, the decode matrix–vector product when m = 1 and the token-tiled product of
-//! prefill when m > 1; and their twin cases.
+//! prefill when m > 1; `AddNormMatmul` and `QkvMatmul` (the q|k|v product with QkvRope's work
+//! in its epilogue); and their twin cases.
 //!
 //! Owns: the kernel choice (m, prologue, weight dtype), the grid, the 16-byte-path decision.
 //! Must not: allocate or synchronise (captured into the decode graph).
@@ -18,7 +19,7 @@ use super::twin::{self, Buf, Tol, TwinCase};
 use super::{CudaDevice, SelftestResult};
 use crate::cpu::CpuDevice;
 use crate::device::{Op, View};
-use crate::ops::{AddNormMatmul, Epilogue, Matmul, Prologue};
+use crate::ops::{AddNormMatmul, Epilogue, Matmul, Prologue, QkvRope};
 use crate::{DType, KernelError, Result};
 
 /// The kernels of gemv.cu, in the order the launchers index them: [`kernel_index`].
@@ -65,6 +66,12 @@ pub(crate) const NAMES: &[&str] = &[
     "gemm32_tc_bf16",
     "gemm32_tc_norm_bf16",
     "gemm32_tc_glu_bf16",
+    "gemv_rope_f32",
+    "gemv_rope_f16",
+    "gemv_rope_bf16",
+    "gemv_norm_rope_f32",
+    "gemv_norm_rope_f16",
+    "gemv_norm_rope_bf16",
 ];
 
 /// What a kernel does around the product (gemv.cu TP_ACT_*): a [`Matmul`]'s prologue on x,
@@ -113,6 +120,9 @@ const MAX_GRID_Y: usize = 65535;
 /// First of the tensor-core kernels in [`NAMES`] (gemv.cu `gemm_tc`): 3 · family (16, 32
 /// tokens per tile) + act (none, norm, glu).
 const TC_BASE: usize = 36;
+/// First of the q|k|v epilogue's kernels in [`NAMES`] (`ops::QkvMatmul`): 3 · act (none,
+/// norm) + weight dtype.
+const ROPE_BASE: usize = 42;
 /// Warps per block of the tensor-core kernels, splitting k (gemv.cu TP_TC_WARPS).
 const TC_WARPS: u32 = 8;
 /// 16-row mma tiles per block of the tensor-core kernels (gemv.cu TP_TC_TILES).
@@ -137,6 +147,35 @@ struct GemvParams {
     pad: u32,
 }
 const _: () = assert!(std::mem::size_of::<GemvParams>() == 80);
+
+/// gemv.cu `struct GemvRope`: the q|k|v epilogue's outputs.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct GemvRope {
+    q: u64,
+    k_cache: u64,
+    v_cache: u64,
+    pos: u64,
+    slots: u64,
+    inv_freq: u64,
+    cap: u64,
+    heads: u32,
+    kv_heads: u32,
+    half: u32,
+    nslots: u32,
+    kv_dtype: u32,
+    pad: u32,
+}
+const _: () = assert!(std::mem::size_of::<GemvRope>() == 80);
+
+/// gemv.cu `struct GemvRopeParams`, passed by value to gemv_rope_* and gemv_norm_rope_*.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct GemvRopeParams {
+    g: GemvParams,
+    r: GemvRope,
+}
+const _: () = assert!(std::mem::size_of::<GemvRopeParams>() == 160);
 
 /// Index into [`NAMES`]: 12 · family (m = 1, m ≤ [`TOKENS_SMALL`], more) + 3 · act (none,
 /// silu, norm, glu) + weight dtype (f32, f16, bf16).
@@ -167,8 +206,12 @@ struct Plan {
 /// leave fewer than two blocks per SM. When m > 1, the token tiles go along grid x and the
 /// row groups' blocks along y (gemv.cu: a row group's tiles side by side share its weights
 /// through L2).
-fn plan(m: usize, n: usize, act: Act, dtype: DType, sms: u32) -> Result<Plan> {
-    let index = kernel_index(m, act, dtype)?;
+fn plan(m: usize, n: usize, act: Act, rope: bool, dtype: DType, sms: u32) -> Result<Plan> {
+    let index = match rope {
+        // m = 1 and act None or Norm (QkvMatmul's validate and the launcher).
+        true => ROPE_BASE + 3 * usize::from(act == Act::Norm) + kernel_index(1, Act::None, dtype)?,
+        false => kernel_index(m, act, dtype)?,
+    };
     let rows = match (m, act) {
         (1, Act::Silu) => ROWS_SILU,
         (1, Act::Norm) => ROWS_NORM,
@@ -176,8 +219,10 @@ fn plan(m: usize, n: usize, act: Act, dtype: DType, sms: u32) -> Result<Plan> {
         (1, Act::Glu) => ROWS_GLU,
         _ => ROWS_TILED,
     };
-    // A row group of the epilogue's kernels is rows / 2 outputs (their gate and up rows).
+    // A row group of the epilogues' kernels is rows / 2 outputs (their gate and up rows) or
+    // rows / 2 rope pairs.
     let groups = match act {
+        _ if rope => (n / 2).div_ceil(rows / 2),
         Act::Glu => (n / 2).div_ceil(rows / 2),
         _ => n.div_ceil(rows),
     };
@@ -253,6 +298,7 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
             (a.m, a.k, a.n),
             Act::of(a),
             None,
+            None,
         ),
         Op::AddNormMatmul(a) => gemv(
             l,
@@ -265,6 +311,25 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
                 x_out: a.x_out.as_ref(),
                 eps: a.eps,
             }),
+            None,
+        ),
+        // y is the op's scratch: the kernel writes q and the caches instead.
+        Op::QkvMatmul(a) => gemv(
+            l,
+            (&a.x, &a.w, a.bias.as_ref(), &a.rope.qkv),
+            (1, a.k, a.n()),
+            if a.seam.is_some() {
+                Act::Norm
+            } else {
+                Act::None
+            },
+            a.seam.as_ref().map(|s| NormIn {
+                delta: &s.delta,
+                norm_w: &s.norm_w,
+                x_out: s.x_out.as_ref(),
+                eps: s.eps,
+            }),
+            Some(&a.rope),
         ),
         _ => Err(KernelError::Invalid(format!(
             "gemv launcher got '{}'",
@@ -286,11 +351,12 @@ fn gemv(
     (m, k, n): (usize, usize, usize),
     act: Act,
     norm: Option<NormIn<'_>>,
+    rope: Option<&QkvRope<'_, CudaBuf>>,
 ) -> Result<()> {
-    let op = if act == Act::Norm {
-        "add_norm_matmul"
-    } else {
-        "matmul"
+    let op = match (rope, act) {
+        (Some(_), _) => "qkv_matmul",
+        (None, Act::Norm) => "add_norm_matmul",
+        (None, _) => "matmul",
     };
     let bad = |why: String| KernelError::Invalid(format!("{op}: {why}"));
     // The kernel indexes with u32 (row groups, tiles, packs); i32::MAX leaves it headroom.
@@ -333,6 +399,17 @@ fn gemv(
             }
         }
     }
+    if let Some(r) = rope {
+        // Every wave reads all of x (and delta) while others write q.
+        let qa = addr(&r.q)?;
+        let qb = r.q.bytes();
+        let reads = [(x, xa)]
+            .into_iter()
+            .chain(norm.as_ref().map(|nm| (nm.delta, da)));
+        if reads.into_iter().any(|(v, a)| writes_over(qa, qb, v, a)) {
+            return Err(bad("q overlaps x or delta".into()));
+        }
+    }
     if m == 0 || n == 0 {
         return Ok(());
     }
@@ -343,8 +420,8 @@ fn gemv(
         && wa.is_multiple_of(16)
         && [xa, da, na, oa].iter().all(|a| a.is_multiple_of(16));
     let p = match tc_plan(m, n, act, w.dtype, l.mma, vec) {
-        Some(p) => p,
-        None => plan(m, n, act, w.dtype, l.sms)?,
+        Some(p) if rope.is_none() => p,
+        _ => plan(m, n, act, rope.is_some(), w.dtype, l.sms)?,
     };
     let mut params = GemvParams {
         x: xa,
@@ -362,11 +439,45 @@ fn gemv(
         pad: 0,
     };
     let f = l.kernels.func(Module::Gemv, p.index);
-    // SAFETY: GemvParams mirrors gemv.cu's parameter struct (size asserted above); every
-    // address was bounds-checked for the whole view (validate() fixed the views' lengths to
-    // the shapes the kernel reads and writes), and the views' buffers outlive the queued
-    // launch (callers keep them until the stream is synchronised or the graph destroyed).
-    unsafe { l.launch_fn(f, p.grid, p.block, 0, &mut params) }
+    let Some(r) = rope else {
+        // SAFETY: GemvParams mirrors gemv.cu's parameter struct (size asserted above); every
+        // address was bounds-checked for the whole view (validate() fixed the views' lengths
+        // to the shapes the kernel reads and writes), and the views' buffers outlive the
+        // queued launch (callers keep them until the stream is synchronised or the graph
+        // destroyed).
+        return unsafe { l.launch_fn(f, p.grid, p.block, 0, &mut params) };
+    };
+    let u32_of = |what: &str, v: usize| {
+        u32::try_from(v).map_err(|_| bad(format!("{what} = {v} does not fit a u32")))
+    };
+    let kv_dtype = match r.k_cache.dtype {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::BF16 => 2,
+        DType::U32 => return Err(bad("a u32 cache".into())),
+    };
+    let mut rp = GemvRopeParams {
+        g: params,
+        r: GemvRope {
+            q: addr(&r.q)?,
+            k_cache: addr(&r.k_cache)?,
+            v_cache: addr(&r.v_cache)?,
+            pos: addr(&r.pos)?,
+            slots: r.slots.map(|s| addr(&s.ids)).transpose()?.unwrap_or(0),
+            inv_freq: addr(&r.inv_freq)?,
+            cap: r.cap() as u64,
+            heads: u32_of("heads", r.heads)?,
+            kv_heads: u32_of("kv_heads", r.kv_heads)?,
+            half: u32_of("head_dim", r.head_dim / 2)?,
+            nslots: u32_of("slots", r.slots.map_or(1, |s| s.count))?,
+            kv_dtype,
+            pad: 0,
+        },
+    };
+    // SAFETY: as above, with GemvRopeParams mirroring gemv.cu's (size asserted); q, the
+    // caches, pos, the slot ids and inv_freq were bounds-checked for the lengths QkvRope's
+    // validate() tied to the shape, and cache rows are written only below cap.
+    unsafe { l.launch_fn(f, p.grid, p.block, 0, &mut rp) }
 }
 
 /// The shape of a twin case: `y = f(x) · wᵀ (+ bias)` with x and w starting `offset`
@@ -599,9 +710,263 @@ pub(crate) fn selftest(
     cpu: &CpuDevice,
     seed: u64,
 ) -> Result<Vec<SelftestResult>> {
-    cases(seed ^ 0x6765_6d76) // "gemv"
+    let mut out: Vec<SelftestResult> = cases(seed ^ 0x6765_6d76) // "gemv"
         .map(|c| twin::run(gpu, cpu, &c))
-        .collect()
+        .collect::<Result<_>>()?;
+    for c in rope_cases(&mut Rng::new(seed ^ 0x7172_6f70)) {
+        // "qrop"
+        out.push(twin::run(gpu, cpu, &c)?);
+    }
+    Ok(out)
+}
+
+/// A twin case of [`QkvMatmul`](crate::ops::QkvMatmul): the q|k|v product of one token, its
+/// seam folded in or not, with QkvRope's work as the epilogue.
+struct RopeCase {
+    dtype: DType,
+    kv: DType,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    k: usize,
+    cap: usize,
+    pos: u32,
+    /// The row's cache slot and the slots in the cache, or none (one sequence).
+    slot: Option<(u32, usize)>,
+    seam: bool,
+    bias: bool,
+    /// x, w, bias, delta, norm weights, the caches' initial contents, inv_freq.
+    x: Vec<u8>,
+    w: Vec<u8>,
+    b: Vec<u8>,
+    d: Vec<u8>,
+    g: Vec<u8>,
+    k_cache: Vec<u8>,
+    v_cache: Vec<u8>,
+    inv_freq: Vec<u8>,
+}
+
+impl RopeCase {
+    fn n(&self) -> usize {
+        (self.heads + 2 * self.kv_heads) * self.head_dim
+    }
+
+    /// The product's n sums in f64 (with the seam's add + norm), bias added.
+    fn sums(&self) -> Vec<f64> {
+        let dec = |t: DType, b: &[u8]| -> Vec<f64> {
+            crate::dtype::decode(t, b)
+                .into_iter()
+                .map(f64::from)
+                .collect()
+        };
+        let mut x = dec(DType::F32, &self.x);
+        if self.seam {
+            let (d, g) = (dec(DType::F32, &self.d), dec(DType::F32, &self.g));
+            x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
+            let ms = x.iter().map(|a| a * a).sum::<f64>() / self.k as f64;
+            let inv = 1.0 / (ms + 1e-5).sqrt();
+            x.iter_mut().zip(&g).for_each(|(a, b)| *a *= inv * b);
+        }
+        let w = dec(self.dtype, &self.w);
+        let b = dec(DType::F32, &self.b);
+        (0..self.n())
+            .map(|r| {
+                let dot: f64 = w[r * self.k..(r + 1) * self.k]
+                    .iter()
+                    .zip(&x)
+                    .map(|(a, b)| a * b)
+                    .sum();
+                dot + if self.bias { b[r] } else { 0.0 }
+            })
+            .collect()
+    }
+}
+
+impl TwinCase for RopeCase {
+    fn name(&self) -> String {
+        format!(
+            "qkv_matmul {} kv {} heads {}/{} head_dim {} k {} cap {} pos {}{}{}{}",
+            self.dtype,
+            self.kv,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            self.k,
+            self.cap,
+            self.pos,
+            match self.slot {
+                Some((s, c)) => format!(" slot {s} of {c}"),
+                None => String::new(),
+            },
+            if self.seam { " add_norm" } else { "" },
+            if self.bias { " bias" } else { "" },
+        )
+    }
+
+    fn shape(&self) -> (DType, usize) {
+        (self.dtype, self.n() * self.k)
+    }
+
+    /// x, w, bias, qkv (scratch), q, k_cache, v_cache, pos, inv_freq, slot id, delta,
+    /// norm_w, x_out: every case has every buffer, so the indices are fixed.
+    fn bufs(&self) -> Vec<Buf> {
+        let k = self.k;
+        vec![
+            Buf::input(DType::F32, self.x.clone()),
+            Buf::input(self.dtype, self.w.clone()),
+            Buf::input(DType::F32, self.b.clone()),
+            // The CPU writes the product here, the fused kernel nothing: not compared.
+            Buf::input(DType::F32, vec![0; self.n() * 4]),
+            Buf::output(DType::F32, self.heads * self.head_dim),
+            // Random contents, compared in full: rows but the position's must stay as they are.
+            Buf::partial(self.kv, self.k_cache.clone()),
+            Buf::partial(self.kv, self.v_cache.clone()),
+            Buf::input(DType::U32, super::ops_decode::u32s(&[self.pos])),
+            Buf::input(DType::F32, self.inv_freq.clone()),
+            Buf::input(
+                DType::U32,
+                super::ops_decode::u32s(&[self.slot.map_or(0, |s| s.0)]),
+            ),
+            Buf::input(DType::F32, self.d.clone()),
+            Buf::input(DType::F32, self.g.clone()),
+            Buf::output(DType::F32, if self.seam { k } else { 1 }),
+        ]
+    }
+
+    fn op<'a, B>(&self, v: &'a [View<'a, B>]) -> Op<'a, B> {
+        Op::QkvMatmul(crate::ops::QkvMatmul {
+            x: v[0],
+            seam: self.seam.then_some(crate::ops::Seam {
+                delta: v[10],
+                norm_w: v[11],
+                x_out: Some(v[12]),
+                eps: 1e-5,
+            }),
+            w: v[1],
+            bias: self.bias.then_some(v[2]),
+            k: self.k,
+            rope: QkvRope {
+                qkv: v[3],
+                q: v[4],
+                k_cache: v[5],
+                v_cache: v[6],
+                pos: v[7],
+                slots: self
+                    .slot
+                    .map(|(_, count)| crate::ops::CacheSlots { ids: v[9], count }),
+                inv_freq: v[8],
+                q_norm: None,
+                k_norm: None,
+                eps: 0.0,
+                rows: 1,
+                heads: self.heads,
+                kv_heads: self.kv_heads,
+                head_dim: self.head_dim,
+                rotary_dim: self.head_dim,
+            },
+        })
+    }
+
+    /// Relative to [`RopeCase::magnitudes`]: the product's error as in [`MatmulCase::tol`],
+    /// and a 16-bit cache's rounding, which the two sides may take on either side of a
+    /// boundary (one unit in the last place: 2^-8 for bf16, 2^-11 for f16).
+    fn tol(&self) -> Tol {
+        match self.kv {
+            DType::F16 => Tol::Rel(1.0 / 1024.0),
+            DType::BF16 => Tol::Rel(1.0 / 128.0),
+            _ => Tol::Rel(1e-4),
+        }
+    }
+
+    /// A rotated element o = a·c − b·s carries the errors of both sums of its pair: 1 + |a| +
+    /// |b| (f64 sums), which can be far above 1 + |o|. Cache rows the op does not write: 1 +
+    /// |value| (they must not change). x_out: the default.
+    fn magnitudes(&self, buf: usize) -> Option<Vec<f32>> {
+        let (half, d) = (self.head_dim / 2, self.head_dim);
+        let y = self.sums();
+        let pair = |head: usize, e: usize| {
+            let i = head * d + e % half;
+            (1.0 + y[i].abs() + y[i + half].abs()) as f32
+        };
+        match buf {
+            4 => Some((0..self.heads * d).map(|j| pair(j / d, j % d)).collect()),
+            5 | 6 => {
+                let init = if buf == 5 {
+                    &self.k_cache
+                } else {
+                    &self.v_cache
+                };
+                let mut m: Vec<f32> = crate::dtype::decode(self.kv, init)
+                    .iter()
+                    .map(|v| 1.0 + v.abs())
+                    .collect();
+                if (self.pos as usize) < self.cap {
+                    let slot = self.slot.map_or(0, |(s, c)| (s as usize).min(c - 1));
+                    let row = self.kv_heads * d;
+                    let at = (slot * self.cap + self.pos as usize) * row;
+                    let first = self.heads + if buf == 5 { 0 } else { self.kv_heads };
+                    for j in 0..row {
+                        m[at + j] = pair(first + j / d, j % d);
+                    }
+                }
+                Some(m)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// [`RopeCase`]s: every weight dtype and cache dtype, with and without the seam and bias, over
+/// small heads (one pair each, odd head counts, k not a whole pack so the scalar path runs),
+/// the last cache row, a position past the cache (q written, nothing stored) at an angle where
+/// sincosf's slow reduction runs, a slot past the last (clamped); and Llama-3-8B's layout (32/8
+/// heads of 128, k 4096).
+fn rope_cases(rng: &mut Rng) -> Vec<RopeCase> {
+    // (heads, kv_heads, head_dim, k, cap, pos, slot)
+    type Shape = (usize, usize, usize, usize, usize, u32, Option<(u32, usize)>);
+    let shapes: [Shape; 6] = [
+        (4, 2, 8, 64, 10, 5, None),
+        (3, 1, 2, 37, 4, 3, None),
+        (2, 2, 6, 1000, 4, 100_000, None),
+        (4, 2, 8, 64, 5, 2, Some((9, 3))),
+        (1, 1, 64, 256, 6, 1, Some((1, 2))),
+        (32, 8, 128, 4096, 16, 15, None),
+    ];
+    let mut out = Vec::new();
+    let mut i = 0usize;
+    for dtype in DType::ALL {
+        for (heads, kv_heads, head_dim, k, cap, pos, slot) in shapes {
+            for seam in [false, true] {
+                let kv = DType::ALL[i % 3];
+                let bias = i % 2 == 1;
+                i += 1;
+                let n = (heads + 2 * kv_heads) * head_dim;
+                let cache = slot.map_or(1, |s| s.1) * cap * kv_heads * head_dim;
+                out.push(RopeCase {
+                    dtype,
+                    kv,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    k,
+                    cap,
+                    pos,
+                    slot,
+                    seam,
+                    bias,
+                    x: pooled(rng, DType::F32, k, -3..=1),
+                    w: pooled(rng, dtype, n * k, -5..=-1),
+                    b: pooled(rng, DType::F32, n, -2..=2),
+                    d: pooled(rng, DType::F32, k, -3..=1),
+                    g: pooled(rng, DType::F32, k, -1..=1),
+                    k_cache: rng.bytes(kv, cache, -3..=3),
+                    v_cache: rng.bytes(kv, cache, -3..=3),
+                    inv_freq: super::ops_decode::inv_freq(head_dim / 2, 500_000.0),
+                });
+            }
+        }
+    }
+    out
 }
 
 fn specs() -> Vec<Spec> {
@@ -698,7 +1063,13 @@ mod tests {
                 assert_eq!(NAMES[p.index], format!("{fp}_tc{pp}_bf16"));
             }
         }
-        assert_eq!(NAMES.len(), TC_BASE + 6);
+        assert_eq!(ROPE_BASE, TC_BASE + 6);
+        for (a, pp) in [(0usize, ""), (1, "_norm")] {
+            for (i, d) in DType::ALL.iter().enumerate() {
+                assert_eq!(NAMES[ROPE_BASE + 3 * a + i], format!("gemv{pp}_rope_{d}"));
+            }
+        }
+        assert_eq!(NAMES.len(), ROPE_BASE + 6);
     }
 
     /// The tensor-core kernels run only where they apply: bf16, m > 4, aligned, sm_80+, no
@@ -754,7 +1125,7 @@ mod tests {
     fn plan_fills_the_sms_and_tiles_tokens() {
         let sms = 132;
         // [4096, 4096] decode: 2048 row groups, 4 waves per block = 512 blocks.
-        let p = plan(1, 4096, Act::None, DType::BF16, sms).unwrap();
+        let p = plan(1, 4096, Act::None, false, DType::BF16, sms).unwrap();
         assert_eq!(
             p,
             Plan {
@@ -765,7 +1136,7 @@ mod tests {
         );
         // down_proj with the prologue: 1024 groups of 4; 256 blocks of 4 waves would be under
         // 2 per SM, so 512 blocks of 2 waves.
-        let p = plan(1, 4096, Act::Silu, DType::BF16, sms).unwrap();
+        let p = plan(1, 4096, Act::Silu, false, DType::BF16, sms).unwrap();
         assert_eq!(
             p,
             Plan {
@@ -775,7 +1146,7 @@ mod tests {
             }
         );
         // Small n: one wave per block.
-        let p = plan(1, 37, Act::None, DType::F32, sms).unwrap();
+        let p = plan(1, 37, Act::None, false, DType::F32, sms).unwrap();
         assert_eq!(
             p,
             Plan {
@@ -785,7 +1156,7 @@ mod tests {
             }
         );
         // Prefill: 4-row groups whatever the prologue, tiles of 8 tokens along x.
-        let p = plan(9, 512, Act::Silu, DType::F16, sms).unwrap();
+        let p = plan(9, 512, Act::Silu, false, DType::F16, sms).unwrap();
         assert_eq!(
             p,
             Plan {
@@ -795,7 +1166,7 @@ mod tests {
             }
         );
         // A batch of 3: one tile of 4.
-        let p = plan(3, 4096, Act::None, DType::BF16, sms).unwrap();
+        let p = plan(3, 4096, Act::None, false, DType::BF16, sms).unwrap();
         assert_eq!(
             p,
             Plan {
@@ -805,7 +1176,7 @@ mod tests {
             }
         );
         // qkv with the add + norm folded in: 1536 groups of 4, 384 blocks of 4 waves.
-        let p = plan(1, 6144, Act::Norm, DType::BF16, sms).unwrap();
+        let p = plan(1, 6144, Act::Norm, false, DType::BF16, sms).unwrap();
         assert_eq!(
             p,
             Plan {
@@ -816,7 +1187,7 @@ mod tests {
         );
         // gate|up with the SiluMul epilogue: 14336 outputs in groups of 2 (each with its 2
         // gate and 2 up rows): 7168 groups, 1792 blocks of 4 waves.
-        let p = plan(1, 28672, Act::Glu, DType::BF16, sms).unwrap();
+        let p = plan(1, 28672, Act::Glu, false, DType::BF16, sms).unwrap();
         assert_eq!(
             p,
             Plan {
@@ -825,7 +1196,21 @@ mod tests {
                 block: 128
             }
         );
-        let p = plan(1 << 20, 1 << 20, Act::None, DType::BF16, sms).unwrap();
+        // The same q|k|v with the rope epilogue: 3072 pairs in groups of 2, the same grid.
+        let p = plan(1, 6144, Act::Norm, true, DType::BF16, sms).unwrap();
+        assert_eq!(
+            p,
+            Plan {
+                index: ROPE_BASE + 5,
+                grid: (384, 1, 1),
+                block: 128
+            }
+        );
+        assert_eq!(NAMES[p.index], "gemv_norm_rope_bf16");
+        // Without the seam: pairs one per wave, as gemv_*'s 2-row groups.
+        let p = plan(1, 6144, Act::None, true, DType::F16, sms).unwrap();
+        assert_eq!((NAMES[p.index], p.grid), ("gemv_rope_f16", (768, 1, 1)));
+        let p = plan(1 << 20, 1 << 20, Act::None, false, DType::BF16, sms).unwrap();
         assert_eq!(p.grid, (1 << 17, MAX_GRID_Y as u32, 1));
     }
 

@@ -71,14 +71,6 @@ TP_DEV void st4(float* base, u64 i, u64 n, bool vec, const float* f) {
         if (i + j < n) base[i + j] = f[j];
 }
 
-// Element i of a float array whose dtype is only known at run time (0 f32, 1 f16, 2 bf16):
-// the per-head norm weights, which may differ in dtype from each other and from the cache.
-TP_DEV float ld_any(const u8* base, u64 i, u32 dtype) {
-    if (dtype == 0) return F32::get(base, i);
-    if (dtype == 1) return F16::get(base, i);
-    return BF16::get(base, i);
-}
-
 // Sum of v over the block, returned to every thread. blockDim.x must be a multiple of TP_WAVE
 // and at most 1024 (the launchers use multiples of 64, a whole number of waves on every
 // target). Fixed order (butterfly within each wave, then the wave sums in wave order), so it is
@@ -282,18 +274,6 @@ extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) add_rms_norm_f16
 extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_NORM_THREADS, 1) add_rms_norm_bf16(NormParams p) { norm_rows<BF16, true>(p); }
 
 // ---- RoPE -------------------------------------------------------------------------------
-
-// The rotation of one pair (x1, x2) = (x[i], x[i + half]) by angle pos · inv_freq[i], the
-// angle rounded to f32 as transformers does (and the CPU twin). sincosf is the precise library
-// function (CUDA: ≤ 2 ulp over the whole range, Payne–Hanek reduction for large angles; not
-// the __sinf/__cosf intrinsics, which lose accuracy as |angle| grows); the CPU rounds f64
-// sin/cos, so the two differ by at most ~2.5 ulp of values ≤ 1.
-TP_DEV void rope_pair(float pos, float inv_freq, float x1, float x2, float& o1, float& o2) {
-    float s, c;
-    sincosf(pos * inv_freq, &s, &c);
-    o1 = x1 * c - x2 * s;
-    o2 = x2 * c + x1 * s;
-}
 
 // Arguments of rope. 40 bytes.
 struct RopeParams {

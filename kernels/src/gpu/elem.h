@@ -81,6 +81,37 @@ struct BF16Conv {
 typedef Half16<F16Conv> F16;
 typedef Half16<BF16Conv> BF16;
 
+// Element i of a float array whose dtype is only known at run time (0 f32, 1 f16, 2 bf16):
+// the per-head norm weights, which may differ in dtype from each other and from the cache;
+// and the store of one such element (a KV cache row written by a GEMV's epilogue).
+TP_DEV float ld_any(const u8* base, u64 i, u32 dtype) {
+    if (dtype == 0) return F32::get(base, i);
+    if (dtype == 1) return F16::get(base, i);
+    return BF16::get(base, i);
+}
+TP_DEV void put_any(u8* base, u64 i, u32 dtype, float v) {
+    if (dtype == 0) {
+        F32::put(base, i, v);
+    } else if (dtype == 1) {
+        F16::put(base, i, v);
+    } else {
+        BF16::put(base, i, v);
+    }
+}
+
+// RoPE: the rotation of one pair (x1, x2) = (x[i], x[i + half]) by angle pos · inv_freq[i],
+// the angle rounded to f32 as transformers does (and the CPU twin). sincosf is the precise
+// library function (CUDA: ≤ 2 ulp over the whole range, Payne–Hanek reduction for large
+// angles; not the __sinf/__cosf intrinsics, which lose accuracy as |angle| grows); the CPU
+// rounds f64 sin/cos, so the two differ by at most ~2.5 ulp of values ≤ 1. Shared by
+// decode.cu's rope kernels and gemv.cu's q|k|v epilogue, which must agree.
+TP_DEV void rope_pair(float pos, float inv_freq, float x1, float x2, float& o1, float& o2) {
+    float s, c;
+    sincosf(pos * inv_freq, &s, &c);
+    o1 = x1 * c - x2 * s;
+    o2 = x2 * c + x1 * s;
+}
+
 TP_DEV u64 tp_packs(u64 n, int v) { return (n + (u64)v - 1) / (u64)v; }
 
 // The elements of pack k: [k*V, min(k*V + V, n)).

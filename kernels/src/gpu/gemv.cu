@@ -14,8 +14,15 @@
 // also writes x + delta to x_out (the next residual; another buffer, since every wave reads
 // x). That saves the separate add + norm kernel and its launch tail between two GEMVs.
 //
-// Must not: write anything but y and x_out (no scratch, no second pass: one launch per
-// matmul).
+// And QkvMatmul (ops.rs; CPU twin: the product, then decode.rs `qkv_rope`): one token's q|k|v
+// product with QkvRope's work in its epilogue, where that work needs nothing across a head (no
+// q/k norm, RoPE over whole heads: Llama, Mistral, Qwen2). Each row group is R/2 pairs of rows
+// (i, i + d/2) of a head, so the lane that writes a pair holds both of its sums: it adds the
+// bias, rotates a q or k pair at the token's position, and writes q (f32) or the k or v pair
+// into the cache row (rounded once), instead of y. That saves qkv_rope's launch per layer.
+//
+// Must not: write anything but y and x_out, or q and the position's cache rows (no scratch,
+// no second pass: one launch per matmul).
 //
 // Mapping. Each wave (TP_WAVE lanes) owns R consecutive output features ("a row group"; R is
 // TP_GEMV_ROWS, or TP_GEMV_ROWS_SILU with the prologue) and streams those R weight rows once,
@@ -120,6 +127,29 @@ struct GemvParams {
     u64 x_out;  // AddNorm: f32 [m, k] gets x + delta, or 0
     float eps;  // AddNorm: the RMSNorm epsilon
     u32 pad;
+};
+
+// The q|k|v epilogue (ops::QkvMatmul, the gemv_rope_* and gemv_norm_rope_* kernels): where the
+// product's rows go instead of y. kernels/src/cuda/ops_gemv.rs `GemvRope`.
+struct GemvRope {
+    u64 q;         // [heads·d] f32
+    u64 k_cache;   // [nslots·cap, kv_heads·d], dtype kv_dtype
+    u64 v_cache;   // the same
+    u64 pos;       // [1] u32: the token's position (step state)
+    u64 slots;     // [1] u32: its cache slot, or 0 for one sequence
+    u64 inv_freq;  // [half] f32
+    u64 cap;       // rows of each slot
+    u32 heads, kv_heads;
+    u32 half;      // d / 2
+    u32 nslots;
+    u32 kv_dtype;  // 0 f32, 1 f16, 2 bf16
+    u32 pad;
+};
+
+// Both, as the rope kernels take them (one parameter struct per kernel).
+struct GemvRopeParams {
+    GemvParams g;
+    GemvRope r;
 };
 
 // What f does to x (the op's Prologue, or AddNormMatmul).
@@ -316,15 +346,61 @@ TP_DEV void gemv_dot_scalar(const u8* const (&wr)[R], GemvRows<MT>& in, u32 k, u
     }
 }
 
-template <class W, int R, int MT, int U, int ACT>
-TP_DEV void gemv(const GemvParams& p) {
+// The q|k|v epilogue's row of pair `pr` (rows i and i + half of head pr / half, i = pr % half;
+// `second`: the latter).
+TP_DEV u32 gemv_rope_row(const GemvRope& r, u32 pr, bool second) {
+    return (pr / r.half) * 2 * r.half + pr % r.half + (second ? r.half : 0u);
+}
+
+// The q|k|v epilogue of pair `pr`, sums a and b (rows i and i + half of head pr / half), by
+// the one lane that holds them: QkvRope's work on that pair (kernels/src/gpu/decode.cu
+// qkv_rope without the q/k norm, which needs a whole head): bias, then the rotation of q and k
+// pairs at pos, then q to r.q, k and v rounded once to row pos of the cache's slot `slot`
+// (clamped to the last; nothing stored at a position past the cache, as qkv_rope).
+TP_DEV void gemv_rope_put(const GemvRope& r, const float* bias, u32 pr, float a, float b, u32 pos,
+                          u32 slot) {
+    const u32 half = r.half, head = pr / half, i = pr % half;
+    const u64 d = 2 * (u64)half;
+    const u32 row = gemv_rope_row(r, pr, false);
+    if (bias) {
+        a += bias[row];
+        b += bias[row + half];
+    }
+    if (head < r.heads + r.kv_heads) rope_pair((float)pos, ((const float*)r.inv_freq)[i], a, b, a, b);
+    if (head < r.heads) {
+        float* q = (float*)r.q + head * d;
+        q[i] = a;
+        q[i + half] = b;
+    } else if ((u64)pos < r.cap) {
+        const u64 at = (u64)gemv_min(slot, r.nslots - 1) * r.cap + pos;
+        const bool is_k = head < r.heads + r.kv_heads;
+        u8* c = (u8*)(is_k ? r.k_cache : r.v_cache);
+        const u64 e = at * r.kv_heads * d + (head - r.heads - (is_k ? 0u : r.kv_heads)) * d + i;
+        put_any(c, e, r.kv_dtype, a);
+        put_any(c, e + half, r.kv_dtype, b);
+    }
+}
+
+// ROPE (m = 1 only): the q|k|v epilogue instead of y, `rp` its arguments; a row group is then
+// H = R/2 pairs (i, i + half) of heads, both rows of a pair summed by the same wave.
+template <class W, int R, int MT, int U, int ACT, bool ROPE = false>
+TP_DEV void gemv(const GemvParams& p, const GemvRope* rp = nullptr) {
     static_assert(R * MT <= TP_WAVE, "one writing lane per (row, token)");
     // The SiluMul epilogue: w's rows are [gate (n/2) | up (n/2)]; a row group is H = R/2 gate
     // rows j .. j + H and the up rows n/2 + j .. n/2 + j + H, and y has n/2 columns.
     constexpr bool GLU = ACT == TP_ACT_GLU;
     static_assert(!GLU || R % 2 == 0, "gate and up rows in pairs");
-    constexpr int H = GLU ? R / 2 : R;  // outputs per row group
-    const u32 nout = GLU ? p.n / 2 : p.n;
+    static_assert(!ROPE || (R % 2 == 0 && MT == 1 && !GLU), "rope pairs, one token");
+    constexpr int H = GLU || ROPE ? R / 2 : R;  // outputs (pairs) per row group
+    const u32 nout = GLU || ROPE ? p.n / 2 : p.n;
+    // ROPE: the token's position and cache slot are step state, written before the step by
+    // the host or the last step's sampler, never by a kernel of it: loaded before the wait,
+    // and first used in the epilogue, so that the weight loads issue without waiting on them.
+    u32 pos = 0, slot = 0;
+    if (ROPE) {
+        pos = *(const u32*)rp->pos;
+        if (rp->slots) slot = *(const u32*)rp->slots;
+    }
     const u32 lane = threadIdx.x % TP_WAVE;
     const u32 waves = blockDim.x / TP_WAVE;
     // m = 1: row groups along grid x. m > 1: token tiles along grid x and row groups along y,
@@ -360,8 +436,14 @@ TP_DEV void gemv(const GemvParams& p) {
             const u8* wr[R];
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                const u32 row = GLU ? (r < H ? 0u : nout) + gemv_min(g * H + r % H, nout - 1)
-                                    : gemv_min(g * R + r, p.n - 1);
+                u32 row;
+                if (GLU) {
+                    row = (r < H ? 0u : nout) + gemv_min(g * H + r % H, nout - 1);
+                } else if (ROPE) {
+                    row = gemv_rope_row(*rp, gemv_min(g * H + r % H, nout - 1), r >= H);
+                } else {
+                    row = gemv_min(g * R + r, p.n - 1);
+                }
                 wr[r] = w + (u64)row * p.k * W::SIZE;
             }
             float acc[R][MT];
@@ -390,7 +472,16 @@ TP_DEV void gemv(const GemvParams& p) {
             for (int t = 0; t < MT; ++t)
                 rs[t] = ACT == TP_ACT_NORM ? rsqrtf(tp_wave_sum(in.ss[t]) / (float)p.k + p.eps)
                                            : 1.0f;
-            if (GLU) {
+            if (ROPE) {
+                // Lane r holds pair g·H + r's two sums (every lane has them after the butterfly).
+#pragma unroll
+                for (int r = 0; r < H; ++r) {
+                    const float a = tp_wave_sum(acc[r][0]) * rs[0];
+                    const float b = tp_wave_sum(acc[r + H][0]) * rs[0];
+                    const u32 pr = g * H + r;
+                    if (lane == (u32)r && pr < nout) gemv_rope_put(*rp, bias, pr, a, b, pos, slot);
+                }
+            } else if (GLU) {
                 // Every lane holds every sum after the butterfly; lane r·MT + t writes
                 // y[t, j] = silu(gate_j) · up_j for the group's output j = g·H + r.
 #pragma unroll
@@ -463,6 +554,21 @@ TP_DEV void gemv(const GemvParams& p) {
 TP_GEMV_DTYPE(f32, F32)
 TP_GEMV_DTYPE(f16, GemvF16)
 TP_GEMV_DTYPE(bf16, BF16)
+
+// gemv_rope_* and gemv_norm_rope_* (ops::QkvMatmul: m = 1, the q|k|v epilogue), after the
+// kernels above in ops_gemv.rs NAMES. R and U as gemv_* and gemv_norm_*.
+#define TP_GEMV_ROPE_KERNEL(name, W, R, U, ACT)                                         \
+    extern "C" __global__ void TP_LAUNCH_BOUNDS(256, 1) name(const GemvRopeParams p) {  \
+        gemv<W, R, 1, U, ACT, true>(p.g, &p.r);                                         \
+    }
+#define TP_GEMV_ROPE_DTYPE(d, W)                                                              \
+    TP_GEMV_ROPE_KERNEL(gemv_rope_##d, W, TP_GEMV_ROWS, TP_GEMV_UNROLL / TP_GEMV_ROWS,        \
+                        TP_ACT_NONE)                                                          \
+    TP_GEMV_ROPE_KERNEL(gemv_norm_rope_##d, W, TP_GEMV_ROWS_NORM,                             \
+                        TP_GEMV_UNROLL / TP_GEMV_ROWS_NORM, TP_ACT_NORM)
+TP_GEMV_ROPE_DTYPE(f32, F32)
+TP_GEMV_ROPE_DTYPE(f16, GemvF16)
+TP_GEMV_ROPE_DTYPE(bf16, BF16)
 
 // ---------------------------------------------------------------------------------------------
 // The tensor-core product of a batch (m > 4; decode batches of `tprun serve`, prefill), bf16

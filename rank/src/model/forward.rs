@@ -1394,42 +1394,37 @@ impl<D: Device> Model<D> {
             }
             Ok(None)
         };
-        // y = xb · wᵀ (+ bias), with a pending seam folded in.
+        // y = xb · wᵀ (+ bias), with a pending seam folded in (the product then reads the
+        // residual xs[cur] and o, and writes their sum to the other buffer); with `rope`, one
+        // token's q|k|v product doing QkvRope's work in its epilogue instead (ops::QkvMatmul).
         let project = |pending: Option<View<'_, D::Buf>>,
                        cur: &mut usize,
                        wt: View<'_, D::Buf>,
                        bias: Option<View<'_, D::Buf>>,
                        y: View<'_, D::Buf>,
-                       n: usize|
+                       n: usize,
+                       rope: Option<ops::QkvRope<'_, D::Buf>>|
          -> Result<(), RankError> {
-            match pending {
-                None => dev.run(&Op::Matmul(ops::Matmul {
-                    x: xb,
+            let seam = pending.map(|norm_w| ops::Seam {
+                delta: o,
+                norm_w,
+                x_out: Some(xs[1 - *cur]),
+                eps,
+            });
+            let x = if seam.is_some() { xs[*cur] } else { xb };
+            dev.run(&match rope {
+                Some(rope) => Op::QkvMatmul(ops::QkvMatmul {
+                    x,
+                    seam,
                     w: wt,
                     bias,
-                    y,
-                    m,
                     k: h,
-                    n,
-                    prologue: Prologue::None,
-                    epilogue: Epilogue::None,
-                }))?,
-                Some(norm_w) => {
-                    dev.run(&Op::AddNormMatmul(ops::AddNormMatmul {
-                        x: xs[*cur],
-                        delta: o,
-                        norm_w,
-                        x_out: Some(xs[1 - *cur]),
-                        eps,
-                        w: wt,
-                        bias,
-                        y,
-                        m,
-                        k: h,
-                        n,
-                    }))?;
-                    *cur = 1 - *cur;
-                }
+                    rope,
+                }),
+                None => ops::seam_matmul(x, seam, wt, bias, y, m, h, n),
+            })?;
+            if seam.is_some() {
+                *cur = 1 - *cur;
             }
             Ok(())
         };
@@ -1462,6 +1457,15 @@ impl<D: Device> Model<D> {
             };
             let blocks = self.in_blocks(&lw.mixer);
             let n: usize = blocks.iter().sum();
+            // One token's attention whose QkvRope needs nothing across a head: the product
+            // does that work in its epilogue, and attention finds q and the cache rows written.
+            let rope = match (&lw.mixer, cache) {
+                (Mixer::Attention(aw), LayerCache::Kv(kv)) if m == 1 && self.rope_folds(aw) => {
+                    Some(self.qkv_rope(aw, kv, rows))
+                }
+                _ => None,
+            };
+            let roped = rope.is_some();
             if m == 1 || blocks.len() == 1 {
                 let y = f32v(&s.qkv, m * n);
                 project(
@@ -1471,6 +1475,7 @@ impl<D: Device> Model<D> {
                     bias.map(|b| b.view()),
                     y,
                     n,
+                    rope,
                 )?;
             } else {
                 settle(pending.take(), cur)?;
@@ -1479,7 +1484,7 @@ impl<D: Device> Model<D> {
             // o = this rank's partial of the mixer's output projection
             match (&lw.mixer, cache) {
                 (Mixer::Attention(aw), LayerCache::Kv(kv)) => {
-                    self.attention(aw, kv, rows, single)?
+                    self.attention(aw, kv, rows, single, roped)?
                 }
                 (Mixer::Delta(dw), LayerCache::Delta(st)) => self.delta(dw, st, m)?,
                 _ => unreachable!("each layer's cache is allocated for its mixer"),
@@ -1516,33 +1521,14 @@ impl<D: Device> Model<D> {
         };
         let vs = plan.vocab.len();
         let (head, y) = (w.head().view(), f32v(&s.logits, lm * vs));
-        let op = match pending {
-            None => Op::Matmul(ops::Matmul {
-                x: xb.slice(first * h, lm * h),
-                w: head,
-                bias: None,
-                y,
-                m: lm,
-                k: h,
-                n: vs,
-                prologue: Prologue::None,
-                epilogue: Epilogue::None,
-            }),
-            Some(norm_w) => Op::AddNormMatmul(ops::AddNormMatmul {
-                x: xs[cur].slice(first * h, lm * h),
-                delta: o.slice(first * h, lm * h),
-                norm_w,
-                x_out: None,
-                eps,
-                w: head,
-                bias: None,
-                y,
-                m: lm,
-                k: h,
-                n: vs,
-            }),
-        };
-        dev.run(&op)?;
+        let seam = pending.map(|norm_w| ops::Seam {
+            delta: o.slice(first * h, lm * h),
+            norm_w,
+            x_out: None,
+            eps,
+        });
+        let x = if seam.is_some() { xs[cur] } else { xb }.slice(first * h, lm * h);
+        dev.run(&ops::seam_matmul(x, seam, head, None, y, lm, h, vs))?;
         Ok(())
     }
 
@@ -1656,23 +1642,29 @@ impl<D: Device> Model<D> {
         Ok(())
     }
 
-    /// Attention of `rows` from `s.xb`, writing their K/V into `kv`, leaving o_proj's partial
-    /// output in `s.o`.
-    fn attention(
-        &self,
-        aw: &AttnWeights<D::Buf>,
-        kv: &KvCache<D::Buf>,
-        rows: &Rows<'_, D::Buf>,
-        single: bool,
-    ) -> Result<(), RankError> {
-        let (dev, cfg, plan, s) = (&*self.dev, &self.cfg, &self.plan, &self.s);
+    /// Whether a layer's QkvRope needs nothing across a head, so that one token's q|k|v
+    /// product can do it in its epilogue (ops::QkvMatmul): no q/k norm, RoPE over whole heads,
+    /// no output gate (Llama, Mistral, Qwen2; not Qwen3 or Qwen3.5).
+    fn rope_folds(&self, aw: &AttnWeights<D::Buf>) -> bool {
+        let cfg = &self.cfg;
+        let gated = cfg.hybrid.as_ref().is_some_and(|hy| hy.attn_gate);
+        aw.q_norm.is_none() && cfg.rotary_dim() == cfg.head_dim && !gated
+    }
+
+    /// Everything between the q|k|v product (in `s.qkv`) and attention for `rows`: q =
+    /// rope(q_norm(q)) into `s.q`; cache[pos] = rope(k_norm(k)), v   (norms: Qwen3, Qwen3.5;
+    /// Qwen3.5 rotates only the first rotary_dim dims of each head).
+    fn qkv_rope<'v>(
+        &'v self,
+        aw: &'v AttnWeights<D::Buf>,
+        kv: &'v KvCache<D::Buf>,
+        rows: &Rows<'v, D::Buf>,
+    ) -> ops::QkvRope<'v, D::Buf> {
+        let (cfg, plan, s) = (&self.cfg, &self.plan, &self.s);
         let (kvt, cap, m) = (self.kv_dtype, self.max_seq, rows.m);
-        let (h, d, rd) = (cfg.hidden, cfg.head_dim, cfg.rotary_dim());
+        let (d, rd) = (cfg.head_dim, cfg.rotary_dim());
         let (nqh, nkvh) = (plan.q_heads.len(), plan.kv_heads.len());
         let (nq, nkv) = (nqh * d, nkvh * d);
-        // s.qkv holds [q | k | v] (then the gate block): `forward` ran the projection.
-        let wqkv = nq + 2 * nkv;
-        let gated = cfg.hybrid.as_ref().is_some_and(|hy| hy.attn_gate);
         // One sequence's rows: its slot's share of the cache. A batched step's rows: the
         // whole cache, each row in the slot its id says.
         let (base, len, slots) = match rows.slots {
@@ -1687,10 +1679,8 @@ impl<D: Device> Model<D> {
             ),
         };
         let cache = |b| View::new(b, base * kvt.size(), len, kvt);
-        // q = rope(q_norm(q)); cache[pos] = rope(k_norm(k)), v   (norms: Qwen3, Qwen3.5;
-        // Qwen3.5 rotates only the first rotary_dim dims of each head)
-        dev.run(&Op::QkvRope(ops::QkvRope {
-            qkv: f32v(&s.qkv, m * wqkv),
+        ops::QkvRope {
+            qkv: f32v(&s.qkv, m * (nq + 2 * nkv)),
             q: f32v(&s.q, m * nq),
             k_cache: cache(&kv.k),
             v_cache: cache(&kv.v),
@@ -1705,7 +1695,33 @@ impl<D: Device> Model<D> {
             kv_heads: nkvh,
             head_dim: d,
             rotary_dim: rd,
-        }))?;
+        }
+    }
+
+    /// Attention of `rows` from `s.qkv` (or, `roped`, from q and the cache rows that
+    /// ops::QkvMatmul wrote), writing their K/V into `kv`, leaving o_proj's partial output in
+    /// `s.o`.
+    fn attention(
+        &self,
+        aw: &AttnWeights<D::Buf>,
+        kv: &KvCache<D::Buf>,
+        rows: &Rows<'_, D::Buf>,
+        single: bool,
+        roped: bool,
+    ) -> Result<(), RankError> {
+        let (dev, cfg, plan, s) = (&*self.dev, &self.cfg, &self.plan, &self.s);
+        let (cap, m) = (self.max_seq, rows.m);
+        let (h, d) = (cfg.hidden, cfg.head_dim);
+        let (nqh, nkvh) = (plan.q_heads.len(), plan.kv_heads.len());
+        let (nq, nkv) = (nqh * d, nkvh * d);
+        // s.qkv holds [q | k | v] (then the gate block): `forward` ran the projection.
+        let wqkv = nq + 2 * nkv;
+        let gated = cfg.hybrid.as_ref().is_some_and(|hy| hy.attn_gate);
+        let r = self.qkv_rope(aw, kv, rows);
+        let (k_cache, v_cache, slots) = (r.k_cache, r.v_cache, r.slots);
+        if !roped {
+            dev.run(&Op::QkvRope(r))?;
+        }
         // att = softmax(q·kᵀ / √d + causal mask) · v; a single token, or a batch of them
         // (one each), may split each sequence across blocks.
         let att = f32v(&s.att, m * nq);
@@ -1713,8 +1729,8 @@ impl<D: Device> Model<D> {
         let split = single && (m == 1 || (slots.is_some() && m <= self.slots));
         dev.run(&Op::Attention(ops::Attention {
             q: f32v(&s.q, m * nq),
-            k_cache: cache(&kv.k),
-            v_cache: cache(&kv.v),
+            k_cache,
+            v_cache,
             out: att,
             pos: rows.pos,
             slots,

@@ -424,6 +424,109 @@ mod tests {
         assert!(max_err(&download(&dev, &ob, DType::F32, m * k), &want_s) < 1e-6);
     }
 
+    /// QkvMatmul is its product followed by QkvRope: on the CPU (which runs them apart) the
+    /// same bits as the two ops, with and without the seam; and validate() refuses what the
+    /// fused kernel cannot do (a q/k norm, partial RoPE).
+    #[test]
+    fn qkv_matmul_is_the_product_then_qkv_rope() {
+        const HEADS: usize = 3;
+        const KVH: usize = 1;
+        const D: usize = 8;
+        const K: usize = 40;
+        const CAP: usize = 6;
+        const N: usize = (HEADS + 2 * KVH) * D;
+        fn f32v(b: &CpuBuf, len: usize) -> View<'_, CpuBuf> {
+            View::new(b, 0, len, DType::F32)
+        }
+        /// x, delta, norm_w, w, bias, inv_freq, pos; then the outputs: qkv scratch, q,
+        /// k_cache, v_cache, x_out.
+        fn op(b: &[CpuBuf], seam: bool) -> ops::QkvMatmul<'_, CpuBuf> {
+            ops::QkvMatmul {
+                x: f32v(&b[0], K),
+                seam: seam.then(|| ops::Seam {
+                    delta: f32v(&b[1], K),
+                    norm_w: f32v(&b[2], K),
+                    x_out: Some(f32v(&b[11], K)),
+                    eps: 1e-5,
+                }),
+                w: View::new(&b[3], 0, N * K, DType::BF16),
+                bias: Some(f32v(&b[4], N)),
+                k: K,
+                rope: ops::QkvRope {
+                    qkv: f32v(&b[7], N),
+                    q: f32v(&b[8], HEADS * D),
+                    k_cache: f32v(&b[9], CAP * KVH * D),
+                    v_cache: f32v(&b[10], CAP * KVH * D),
+                    pos: View::new(&b[6], 0, 1, DType::U32),
+                    slots: None,
+                    inv_freq: f32v(&b[5], D / 2),
+                    q_norm: None,
+                    k_norm: None,
+                    eps: 0.0,
+                    rows: 1,
+                    heads: HEADS,
+                    kv_heads: KVH,
+                    head_dim: D,
+                    rotary_dim: D,
+                },
+            }
+        }
+        let dev = CpuDevice::new(0, 1, 10);
+        let mut rng = Rng::new(0x716b_766d);
+        let (x, dl) = (rng.vec_sym(K), rng.vec_sym(K));
+        let inv: Vec<f32> = (0..D / 2).map(|i| 1.0 / (i as f32 + 1.0)).collect();
+        let bufs = |rng: &mut Rng| -> Vec<CpuBuf> {
+            let mut b = vec![
+                upload(&dev, DType::F32, &x),
+                upload(&dev, DType::F32, &dl),
+                upload(&dev, DType::F32, &rng.vec_sym(K)),
+                upload(&dev, DType::BF16, &rng.vec_sym(N * K)),
+                upload(&dev, DType::F32, &rng.vec_sym(N)),
+                upload(&dev, DType::F32, &inv),
+                u32buf(&dev, &[4]),
+            ];
+            for len in [N, HEADS * D, CAP * KVH * D, CAP * KVH * D, K] {
+                b.push(upload(&dev, DType::F32, &vec![f32::NAN; len]));
+            }
+            b
+        };
+        for seam in [false, true] {
+            let fused = bufs(&mut Rng::new(7));
+            let apart = bufs(&mut Rng::new(7));
+            dev.run(&Op::QkvMatmul(op(&fused, seam))).unwrap();
+            let two = op(&apart, seam);
+            dev.run(&two.product()).unwrap();
+            dev.run(&Op::QkvRope(two.rope)).unwrap();
+            let bits = |b: &CpuBuf, len| -> Vec<u32> {
+                download(&dev, b, DType::F32, len)
+                    .iter()
+                    .map(|f| f.to_bits())
+                    .collect()
+            };
+            for (i, len) in [(8, HEADS * D), (9, CAP * KVH * D), (10, CAP * KVH * D)] {
+                assert_eq!(bits(&fused[i], len), bits(&apart[i], len), "{i} {seam}");
+            }
+            let keys = download(&dev, &fused[9], DType::F32, CAP * KVH * D);
+            assert!(keys[4 * KVH * D..5 * KVH * D].iter().all(|v| v.is_finite()));
+            if seam {
+                let xo = download(&dev, &fused[11], DType::F32, K);
+                assert!(xo
+                    .iter()
+                    .zip(x.iter().zip(&dl))
+                    .all(|(o, (a, b))| *o == a + b));
+            }
+            // What the fused kernel cannot do is refused.
+            let mut bad = op(&fused, seam);
+            bad.rope.rotary_dim = D / 2;
+            bad.rope.inv_freq = f32v(&fused[5], D / 4);
+            assert!(dev.run(&Op::QkvMatmul(bad)).is_err());
+            let mut bad = op(&fused, seam);
+            bad.rope.q_norm = Some(f32v(&fused[2], D));
+            bad.rope.k_norm = Some(f32v(&fused[2], D));
+            assert!(dev.run(&Op::QkvMatmul(bad)).is_err());
+        }
+    }
+
     #[test]
     fn topk_then_greedy_sample_is_the_argmax_of_all_shards() {
         let dev = CpuDevice::new(0, 2, 10);
