@@ -671,14 +671,17 @@ TP_DEV void attn_split_kernel(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& 
 // owns output element j; the weights e^(m_i - m) of up to TP_ATTN_MERGE_THREADS parts at a
 // time are computed once into shared memory. Reads used * (d + 2) f32, writes d f32: small
 // next to the split kernel's K/V traffic.
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_ATTN_MERGE_THREADS, 1) attn_merge(AttnParams p) { tp_pdl_wait();
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_ATTN_MERGE_THREADS, 1) attn_merge(AttnParams p) {
     __shared__ float wt[TP_ATTN_MERGE_THREADS];
     __shared__ float red[TP_ATTN_MERGE_THREADS / TP_WAVE];
     const u32 h = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
     const u32 d = p.head_dim;
     const u64 stride = (u64)d + 2;
+    // The position is step state, written before the step: read before the wait, so that
+    // the partials' loads are the only round trip after it.
     const u32 pos = attn_pos(p, row);
     const u32 used = pos / attn_part_len(p, pos) + 1;
+    tp_pdl_wait();
     const float* part = (const float*)p.ws + ((u64)row * p.heads + h) * p.parts * stride;
     float m = attn_neg_inf();
     for (u32 i = tid; i < used; i += TP_ATTN_MERGE_THREADS) m = fmaxf(m, part[i * stride]);

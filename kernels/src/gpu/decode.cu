@@ -350,10 +350,25 @@ TP_DEV void qkv_rope(const QkvParams& p) {
     const u64 width = (u64)(p.heads + 2 * p.kv_heads) * d;
     const u64 kv_width = (u64)p.kv_heads * d;
     const float* inv_freq = (const float*)p.inv_freq;
+    const bool is_q = h < p.heads;
+    const u8* wn = (const u8*)(is_q ? p.q_norm : p.k_norm);
+    const u32 wdt = is_q ? p.qn_dtype : p.kn_dtype;
+    const u32 rh = p.rhalf;
+    // Before the wait, what no kernel of the step writes: the first row's position (step
+    // state, written before the step) and this thread's first pair's inverse frequency and
+    // norm weights (HBM misses, the weights having streamed through L2 since the last layer).
+    // After it only the q|k|v row's loads (L2 hits) stay on the chain.
+    const u32 i0 = threadIdx.x;
+    const u32 pos0 = blockIdx.y < p.rows ? ((const u32*)p.pos)[blockIdx.y] : 0;
+    const float f0 = i0 < rh ? inv_freq[i0] : 0.0f;
+    const bool normed = p.norm && h < p.heads + p.kv_heads && i0 < rh;
+    const float w1 = normed ? ld_any(wn, i0, wdt) : 1.0f;
+    const float w2 = normed ? ld_any(wn, i0 + rh, wdt) : 1.0f;
+    tp_pdl_wait();
     for (u64 r = blockIdx.y; r < p.rows; r += gridDim.y) {
         // pos, h and so every branch below are the same for the whole block, so a block either
         // reaches tp_block_sum's barriers with all its threads or not at all.
-        const u32 pos = ((const u32*)p.pos)[r];
+        const u32 pos = r == blockIdx.y ? pos0 : ((const u32*)p.pos)[r];
         const bool stored = (u64)pos < p.cap;
         // The row's place in the cache: its position within its slot (ids clamped).
         u64 at = pos;
@@ -370,7 +385,6 @@ TP_DEV void qkv_rope(const QkvParams& p) {
             }
             continue;
         }
-        const bool is_q = h < p.heads;
         if (!is_q && !stored) continue;  // a k head past the cache: nothing to write
         float inv = 1.0f;
         if (p.norm) {
@@ -383,22 +397,19 @@ TP_DEV void qkv_rope(const QkvParams& p) {
             // As norm_rows: the twin's 1 / sqrt(mean + eps).
             inv = 1.0f / sqrtf(tp_block_sum(ss) / (float)d + p.eps);
         }
-        const u8* wn = (const u8*)(is_q ? p.q_norm : p.k_norm);
-        const u32 wdt = is_q ? p.qn_dtype : p.kn_dtype;
         const float fpos = (float)pos;
         float* qdst = (float*)p.q + (r * p.heads + h) * d;
         u8* kdst = (u8*)p.k_cache + (at * kv_width + (is_q ? 0 : h - p.heads) * d) * KV::SIZE;
         // The rotated pairs (i, i + rhalf) of the first 2·rhalf dims, then the dims past them
         // (partial RoPE: normed, not rotated).
-        const u32 rh = p.rhalf;
         for (u32 i = threadIdx.x; i < rh; i += blockDim.x) {
             float x1 = src[i], x2 = src[i + rh];
             if (p.norm) {
-                x1 = (x1 * inv) * ld_any(wn, i, wdt);
-                x2 = (x2 * inv) * ld_any(wn, i + rh, wdt);
+                x1 = (x1 * inv) * (i == i0 ? w1 : ld_any(wn, i, wdt));
+                x2 = (x2 * inv) * (i == i0 ? w2 : ld_any(wn, i + rh, wdt));
             }
             float o1, o2;
-            rope_pair(fpos, inv_freq[i], x1, x2, o1, o2);
+            rope_pair(fpos, i == i0 ? f0 : inv_freq[i], x1, x2, o1, o2);
             if (is_q) {
                 qdst[i] = o1;
                 qdst[i + rh] = o2;
@@ -419,9 +430,9 @@ TP_DEV void qkv_rope(const QkvParams& p) {
     }
 }
 
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_PAIR_THREADS, 1) qkv_rope_f32(QkvParams p) { tp_pdl_wait(); qkv_rope<F32>(p); }
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_PAIR_THREADS, 1) qkv_rope_f16(QkvParams p) { tp_pdl_wait(); qkv_rope<F16>(p); }
-extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_PAIR_THREADS, 1) qkv_rope_bf16(QkvParams p) { tp_pdl_wait(); qkv_rope<BF16>(p); }
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_PAIR_THREADS, 1) qkv_rope_f32(QkvParams p) { qkv_rope<F32>(p); }
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_PAIR_THREADS, 1) qkv_rope_f16(QkvParams p) { qkv_rope<F16>(p); }
+extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_PAIR_THREADS, 1) qkv_rope_bf16(QkvParams p) { qkv_rope<BF16>(p); }
 
 // ---- SiluMul and Add --------------------------------------------------------------------
 
