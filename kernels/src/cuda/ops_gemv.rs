@@ -869,7 +869,7 @@ impl TwinCase for RopeCase {
 
     /// Relative to [`RopeCase::magnitudes`]: the product's error as in [`MatmulCase::tol`],
     /// and a 16-bit cache's rounding, which the two sides may take on either side of a
-    /// boundary (one unit in the last place: 2^-8 for bf16, 2^-11 for f16).
+    /// boundary (one unit in the last place: up to 2^-7 of the value for bf16, 2^-10 for f16).
     fn tol(&self) -> Tol {
         match self.kv {
             DType::F16 => Tol::Rel(1.0 / 1024.0),
