@@ -400,14 +400,19 @@ fn gemv(
         }
     }
     if let Some(r) = rope {
-        // Every wave reads all of x (and delta) while others write q.
-        let qa = addr(&r.q)?;
-        let qb = r.q.bytes();
-        let reads = [(x, xa)]
-            .into_iter()
-            .chain(norm.as_ref().map(|nm| (nm.delta, da)));
-        if reads.into_iter().any(|(v, a)| writes_over(qa, qb, v, a)) {
-            return Err(bad("q overlaps x or delta".into()));
+        // Every wave reads all of x (and delta) while others write q and the cache rows.
+        for (what, out) in [
+            ("q", &r.q),
+            ("k_cache", &r.k_cache),
+            ("v_cache", &r.v_cache),
+        ] {
+            let (oa, ob) = (addr(out)?, out.bytes());
+            let reads = [(x, xa)]
+                .into_iter()
+                .chain(norm.as_ref().map(|nm| (nm.delta, da)));
+            if reads.into_iter().any(|(v, a)| writes_over(oa, ob, v, a)) {
+                return Err(bad(format!("{what} overlaps x or delta")));
+            }
         }
     }
     if m == 0 || n == 0 {
@@ -889,7 +894,14 @@ impl TwinCase for RopeCase {
             (1.0 + y[i].abs() + y[i + half].abs()) as f32
         };
         match buf {
-            4 => Some((0..self.heads * d).map(|j| pair(j / d, j % d)).collect()),
+            // q is f32 whatever the cache: 1e-4 of its magnitude, whatever tol() allows the cache.
+            4 => {
+                let Tol::Rel(t) = self.tol() else {
+                    unreachable!("tol() is relative")
+                };
+                let q = (0..self.heads * d).map(|j| pair(j / d, j % d) * 1e-4 / t);
+                Some(q.collect())
+            }
             5 | 6 => {
                 let init = if buf == 5 {
                     &self.k_cache
@@ -933,13 +945,13 @@ fn rope_cases(rng: &mut Rng) -> Vec<RopeCase> {
         (32, 8, 128, 4096, 16, 15, None),
     ];
     let mut out = Vec::new();
-    let mut i = 0usize;
-    for dtype in DType::ALL {
-        for (heads, kv_heads, head_dim, k, cap, pos, slot) in shapes {
+    for (di, dtype) in DType::ALL.into_iter().enumerate() {
+        for (si, (heads, kv_heads, head_dim, k, cap, pos, slot)) in shapes.into_iter().enumerate() {
             for seam in [false, true] {
-                let kv = DType::ALL[i % 3];
-                let bias = i % 2 == 1;
-                i += 1;
+                // Every shape meets every cache dtype over the three weight dtypes, and bias
+                // goes with and without the seam (alternating by shape).
+                let kv = DType::ALL[(si + di) % 3];
+                let bias = (si % 2 == 1) != seam;
                 let n = (heads + 2 * kv_heads) * head_dim;
                 let cache = slot.map_or(1, |s| s.1) * cap * kv_heads * head_dim;
                 out.push(RopeCase {
@@ -1070,6 +1082,44 @@ mod tests {
             }
         }
         assert_eq!(NAMES.len(), ROPE_BASE + 6);
+    }
+
+    /// Every QkvMatmul twin case is valid and its magnitudes fit its buffers; on the CPU twin
+    /// (the reference the GPU is judged against) q equals the case's own f64 rotation of the
+    /// f64 sums within the tolerance selftest applies. (The Llama-sized shape is left to
+    /// selftest: it is slow unoptimised.)
+    #[test]
+    fn rope_cases_agree_with_their_f64_reference() {
+        let cpu = CpuDevice::new(0, 1, 0);
+        for c in rope_cases(&mut Rng::new(3)).iter().filter(|c| c.k <= 1000) {
+            let out = twin::run_alone(&cpu, c).unwrap_or_else(|e| panic!("{}: {e}", c.name()));
+            let lens: Vec<usize> = c.bufs().iter().map(|b| b.len).collect();
+            for b in [4, 5, 6] {
+                assert_eq!(c.magnitudes(b).unwrap().len(), lens[b], "{}", c.name());
+            }
+            let (y, half, d) = (c.sums(), c.head_dim / 2, c.head_dim);
+            let q = crate::dtype::decode(DType::F32, &out[4]);
+            let mags = c.magnitudes(4).unwrap();
+            let Tol::Rel(t) = c.tol() else { panic!() };
+            for (j, (&got, &mag)) in q.iter().zip(&mags).enumerate() {
+                let (h, e) = (j / d, j % d);
+                let (a, b) = (y[h * d + e % half], y[h * d + e % half + half]);
+                let ang = (c.pos as f32
+                    * 500_000f64.powf(-2.0 * (e % half) as f64 / d as f64) as f32)
+                    as f64;
+                let want = if e < half {
+                    a * ang.cos() - b * ang.sin()
+                } else {
+                    b * ang.cos() + a * ang.sin()
+                };
+                let err = (got as f64 - want).abs();
+                assert!(
+                    err <= (t * mag) as f64,
+                    "{}: q[{j}] {got} against {want}",
+                    c.name()
+                );
+            }
+        }
     }
 
     /// The tensor-core kernels run only where they apply: bf16, m > 4, aligned, sm_80+, no

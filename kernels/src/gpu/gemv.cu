@@ -396,6 +396,8 @@ TP_DEV void gemv(const GemvParams& p, const GemvRope* rp = nullptr) {
     // ROPE: the token's position and cache slot are step state, written before the step by
     // the host or the last step's sampler, never by a kernel of it: loaded before the wait,
     // and first used in the epilogue, so that the weight loads issue without waiting on them.
+    // (What this needs is that neither the kernel just before nor any still running wrote
+    // them: under PDL every kernel before that one has completed when this one launches.)
     u32 pos = 0, slot = 0;
     if (ROPE) {
         pos = *(const u32*)rp->pos;

@@ -424,9 +424,10 @@ mod tests {
         assert!(max_err(&download(&dev, &ob, DType::F32, m * k), &want_s) < 1e-6);
     }
 
-    /// QkvMatmul is its product followed by QkvRope: on the CPU (which runs them apart) the
-    /// same bits as the two ops, with and without the seam; and validate() refuses what the
-    /// fused kernel cannot do (a q/k norm, partial RoPE).
+    /// The CPU's QkvMatmul runs its product and QkvRope apart (the GPU's fused kernel is
+    /// checked against it by `selftest` and scripts/emulate_gemv_rope.sh): the same bits as
+    /// the two ops through `Device::run`, with and without the seam, the cache row written;
+    /// and validate() refuses what the fused kernel cannot do (a q/k norm, partial RoPE).
     #[test]
     fn qkv_matmul_is_the_product_then_qkv_rope() {
         const HEADS: usize = 3;
