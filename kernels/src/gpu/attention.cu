@@ -582,10 +582,10 @@ TP_DEV bool attn_range(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& run, co
     return true;
 }
 
-// Where the partial of (row, head chunk hd's first head, part) starts in the workspace; the
-// next head's is parts * (d + 2) floats further.
-TP_DEV u64 attn_partial_at(const AttnParams& p, const AttnHeads& hd, u32 part, u32 row) {
-    return (((u64)row * p.heads + hd.h0) * p.parts + part) * ((u64)p.head_dim + 2);
+// Where the partial (m, l, o: d + 2 floats) of query head h, part `part` of row `row` starts in
+// the workspace ([rows, heads, parts, d + 2]).
+TP_DEV u64 attn_partial_at(const AttnParams& p, u32 h, u32 part, u32 row) {
+    return (((u64)row * p.heads + h) * p.parts + part) * ((u64)p.head_dim + 2);
 }
 
 // The block's partial states (sm, or run when in_run) into the workspace.
@@ -594,13 +594,12 @@ TP_DEV void attn_write_partial(const AttnParams& p, const AttnSmem<G>& sm, const
                                u32 part, u32 row, bool in_run) {
     float* ws = (float*)p.ws;
     const u32 stride = p.head_dim + 2;
-    const u64 first = attn_partial_at(p, hd, part, row);
-    const u64 head_step = (u64)p.parts * stride;  // from head h to h + 1
     const float* m = in_run ? run.m : sm.m;
     const float* l = in_run ? run.l : sm.l;
     for (u32 i = threadIdx.x; i < hd.gcount * stride; i += TP_ATTN_THREADS) {
         const u32 g = i / stride, j = i % stride;
-        ws[first + g * head_step + j] = j == 0 ? m[g] : (j == 1 ? l[g] : (in_run ? run.o[g][j - 2] : sm.o[g][j - 2]));
+        ws[attn_partial_at(p, hd.h0 + g, part, row) + j] =
+            j == 0 ? m[g] : (j == 1 ? l[g] : (in_run ? run.o[g][j - 2] : sm.o[g][j - 2]));
     }
 }
 
@@ -652,7 +651,7 @@ TP_DEV void attn_split_kernel(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>& 
     if (b > pos) {
         // Nothing to see here (the whole block takes this branch): an empty partial.
         if (threadIdx.x < hd.gcount) {
-            float* w = (float*)p.ws + attn_partial_at(p, hd, part, row) + threadIdx.x * (u64)p.parts * (d + 2);
+            float* w = (float*)p.ws + attn_partial_at(p, hd.h0 + threadIdx.x, part, row);
             w[0] = attn_neg_inf();
             w[1] = 0.0f;
         }
@@ -682,7 +681,7 @@ extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_ATTN_MERGE_THREADS, 1) attn_merge
     const u32 pos = attn_pos(p, row);
     const u32 used = pos / attn_part_len(p, pos) + 1;
     tp_pdl_wait();
-    const float* part = (const float*)p.ws + ((u64)row * p.heads + h) * p.parts * stride;
+    const float* part = (const float*)p.ws + attn_partial_at(p, h, 0, row);
     float m = attn_neg_inf();
     for (u32 i = tid; i < used; i += TP_ATTN_MERGE_THREADS) m = fmaxf(m, part[i * stride]);
     m = attn_wave_max(m);
