@@ -193,7 +193,7 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
 }
 
 /// The index of a float dtype in [`DType::ALL`] (and in each dtype-specific run of NAMES).
-fn dtype_index(d: DType) -> Result<usize> {
+pub(super) fn dtype_index(d: DType) -> Result<usize> {
     match d {
         DType::F32 => Ok(0),
         DType::F16 => Ok(1),
@@ -230,7 +230,7 @@ fn same_or_disjoint(out: &View<'_, CudaBuf>, input: &View<'_, CudaBuf>, what: &s
     )))
 }
 
-fn to_u32(what: &str, v: usize) -> Result<u32> {
+pub(super) fn to_u32(what: &str, v: usize) -> Result<u32> {
     u32::try_from(v).map_err(|_| KernelError::Invalid(format!("{what} = {v} does not fit a u32")))
 }
 
@@ -837,6 +837,17 @@ fn rope_cases(rng: &mut Rng) -> Vec<RopeCase> {
     out
 }
 
+/// The tolerance of a case whose outputs are rounded once to a KV cache of dtype `kv`: the two
+/// sides may round on either side of a boundary, one unit in the last place (up to 2^-7 of the
+/// value for bf16, 2^-10 for f16); `f32` for an f32 cache.
+pub(super) fn cache_tol(kv: DType, f32: f32) -> Tol {
+    match kv {
+        DType::F16 => Tol::Rel(1.0 / 1024.0),
+        DType::BF16 => Tol::Rel(1.0 / 128.0),
+        _ => Tol::Rel(f32),
+    }
+}
+
 struct QkvCase {
     kv: DType,
     heads: usize,
@@ -929,11 +940,7 @@ impl TwinCase for QkvCase {
         })
     }
     fn tol(&self) -> Tol {
-        match self.kv {
-            DType::F16 => Tol::Rel(1.0 / 1024.0),
-            DType::BF16 => Tol::Rel(1.0 / 128.0),
-            _ => Tol::Rel(2e-5),
-        }
+        cache_tol(self.kv, 2e-5)
     }
 }
 

@@ -452,15 +452,7 @@ fn gemv(
         // destroyed).
         return unsafe { l.launch_fn(f, p.grid, p.block, 0, &mut params) };
     };
-    let u32_of = |what: &str, v: usize| {
-        u32::try_from(v).map_err(|_| bad(format!("{what} = {v} does not fit a u32")))
-    };
-    let kv_dtype = match r.k_cache.dtype {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        DType::BF16 => 2,
-        DType::U32 => return Err(bad("a u32 cache".into())),
-    };
+    let u32_of = |what: &str, v: usize| super::ops_decode::to_u32(&format!("{op} {what}"), v);
     let mut rp = GemvRopeParams {
         g: params,
         r: GemvRope {
@@ -475,7 +467,7 @@ fn gemv(
             kv_heads: u32_of("kv_heads", r.kv_heads)?,
             half: u32_of("head_dim", r.head_dim / 2)?,
             nslots: u32_of("slots", r.slots.map_or(1, |s| s.count))?,
-            kv_dtype,
+            kv_dtype: super::ops_decode::dtype_index(r.k_cache.dtype)? as u32,
             pad: 0,
         },
     };
@@ -873,14 +865,9 @@ impl TwinCase for RopeCase {
     }
 
     /// Relative to [`RopeCase::magnitudes`]: the product's error as in [`MatmulCase::tol`],
-    /// and a 16-bit cache's rounding, which the two sides may take on either side of a
-    /// boundary (one unit in the last place: up to 2^-7 of the value for bf16, 2^-10 for f16).
+    /// and a 16-bit cache's rounding (`cache_tol`).
     fn tol(&self) -> Tol {
-        match self.kv {
-            DType::F16 => Tol::Rel(1.0 / 1024.0),
-            DType::BF16 => Tol::Rel(1.0 / 128.0),
-            _ => Tol::Rel(1e-4),
-        }
+        super::ops_decode::cache_tol(self.kv, 1e-4)
     }
 
     /// A rotated element o = a·c − b·s carries the errors of both sums of its pair: 1 + |a| +
