@@ -1457,10 +1457,13 @@ impl<D: Device> Model<D> {
             };
             let blocks = self.in_blocks(&lw.mixer);
             let n: usize = blocks.iter().sum();
-            // One token's attention whose QkvRope needs nothing across a head: the product
-            // does that work in its epilogue, and attention finds q and the cache rows written.
+            // One token's attention whose QkvRope needs nothing across a head and whose
+            // projection is q|k|v alone (no output gate block): the product does that work in
+            // its epilogue, and attention finds q and the cache rows written.
             let rope = match (&lw.mixer, cache) {
-                (Mixer::Attention(aw), LayerCache::Kv(kv)) if m == 1 && self.rope_folds(aw) => {
+                (Mixer::Attention(aw), LayerCache::Kv(kv))
+                    if m == 1 && blocks.len() == 1 && self.rope_folds(aw) =>
+                {
                     Some(self.qkv_rope(aw, kv, rows))
                 }
                 _ => None,
@@ -1643,12 +1646,10 @@ impl<D: Device> Model<D> {
     }
 
     /// Whether a layer's QkvRope needs nothing across a head, so that one token's q|k|v
-    /// product can do it in its epilogue (ops::QkvMatmul): no q/k norm, RoPE over whole heads,
-    /// no output gate (Llama, Mistral, Qwen2; not Qwen3 or Qwen3.5).
+    /// product can do it in its epilogue (ops::QkvMatmul): no q/k norm, RoPE over whole heads
+    /// (Llama, Mistral, Qwen2; not Qwen3 or Qwen3.5).
     fn rope_folds(&self, aw: &AttnWeights<D::Buf>) -> bool {
-        let cfg = &self.cfg;
-        let gated = cfg.hybrid.as_ref().is_some_and(|hy| hy.attn_gate);
-        aw.q_norm.is_none() && cfg.rotary_dim() == cfg.head_dim && !gated
+        aw.q_norm.is_none() && self.cfg.rotary_dim() == self.cfg.head_dim
     }
 
     /// Everything between the q|k|v product (in `s.qkv`) and attention for `rows`: q =
