@@ -214,6 +214,10 @@ impl<B> Rope<'_, B> {
 ///
 /// Rows are tokens of the same sequence in order, so a prompt run as one call leaves the state
 /// that running its tokens one by one leaves.
+///
+/// `state` (and the weights) must not be written by the op queued just before this one: under
+/// programmatic dependent launch the CUDA kernel reads them while that op still runs (the
+/// model writes the state only here and in the fill that starts a sequence).
 pub struct GatedDelta<'a, B> {
     pub qkv: View<'a, B>,
     pub b: View<'a, B>,
@@ -235,6 +239,9 @@ pub struct GatedDelta<'a, B> {
 /// then the window slides. `x`, `out`: [rows, channels] f32 (may not alias); `w`:
 /// [channels, kernel] f32 (transformers' [channels, 1, kernel]); `state`: [channels,
 /// kernel − 1] f32, oldest first, read and written (zeros at the start of a sequence).
+///
+/// `state` and `w` must not be written by the op queued just before this one, as in
+/// [`GatedDelta`].
 pub struct CausalConv<'a, B> {
     pub x: View<'a, B>,
     pub w: View<'a, B>,

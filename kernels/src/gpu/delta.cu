@@ -78,24 +78,27 @@ struct ConvParams {
 // read and written coalesced (consecutive threads, consecutive channels); w and the window
 // are K and K − 1 floats per thread (16 B stride at K = 4: each warp load touches 512
 // contiguous bytes, the rest of each line used by the next tap's load, L1 hits).
-// The taps are weights (no kernel of the step writes them) and are loaded before
-// tp_pdl_wait(); the window is the previous step's output and is read after it.
+// The taps are weights and the window was written by earlier steps (this kernel at the
+// previous token, or the fill that starts a sequence, many kernels back): no kernel of this
+// step writes either before this one, so both are loaded before tp_pdl_wait(), and the
+// window's HBM round trip (480 KiB at TP = 1, long evicted by the weights between two
+// tokens) overlaps the kernel before. Only x, that kernel's output, is read after it.
 extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_CONV_THREADS, 1) causal_conv(ConvParams p) {
     const u32 c = blockIdx.x * blockDim.x + threadIdx.x;
     const bool mine = c < p.channels;
     const u32 kn = p.kernel;
     const float* w = (const float*)p.w + (u64)c * kn;
+    float* state = (float*)p.state + (u64)c * (kn - 1);
     // Taps 0 .. K − 2 against the window; `last` against the new input.
-    float taps[TP_CONV_KMAX - 1];
+    float taps[TP_CONV_KMAX - 1], win[TP_CONV_KMAX - 1];
 #pragma unroll
-    for (u32 j = 0; j < TP_CONV_KMAX - 1; ++j) taps[j] = mine && j + 1 < kn ? w[j] : 0.0f;
+    for (u32 j = 0; j < TP_CONV_KMAX - 1; ++j) {
+        taps[j] = mine && j + 1 < kn ? w[j] : 0.0f;
+        win[j] = mine && j + 1 < kn ? state[j] : 0.0f;
+    }
     const float last = mine ? w[kn - 1] : 0.0f;
     tp_pdl_wait();
     if (!mine) return;  // no barrier below: idle threads may leave
-    float* state = (float*)p.state + (u64)c * (kn - 1);
-    float win[TP_CONV_KMAX - 1];
-#pragma unroll
-    for (u32 j = 0; j < TP_CONV_KMAX - 1; ++j) win[j] = j + 1 < kn ? state[j] : 0.0f;
     const float* x = (const float*)p.x + c;
     float* out = (float*)p.out + c;
     for (u32 r = 0; r < p.rows; ++r) {
@@ -239,11 +242,13 @@ TP_DEV void gated_delta(const DeltaParams& p) {
     const u32 dk = p.dk, dv = p.dv;
     const bool col = j < dv;
     const u32 key = h / (p.v_heads / p.k_heads);
-    // Weights: no kernel of the step writes them, so they are read before tp_pdl_wait().
+    // Read before tp_pdl_wait(), as written by no kernel of this step before this one: the
+    // weights, and the state S (this kernel's output at the previous token, or the fill that
+    // starts a sequence, many kernels back), so that its 3 MiB HBM read (27B, TP = 1)
+    // overlaps the convolution before instead of following it. q, k, v (the convolution's
+    // output), b and a are read after it.
     const float neg_a = -expf(((const float*)p.a_log)[h]);
     const float dt_bias = ((const float*)p.dt_bias)[h];
-    tp_pdl_wait();
-
     // This thread's column of S: rows g + TP_DELTA_GROUPS · r. Rows past dk and columns past dv
     // hold 0 and are never stored.
     float* S = (float*)p.state + (u64)h * dk * dv + j;
@@ -253,6 +258,7 @@ TP_DEV void gated_delta(const DeltaParams& p) {
         const u32 i = g + TP_DELTA_GROUPS * r;
         s[r] = col && i < dk ? S[(u64)i * dv] : 0.0f;
     }
+    tp_pdl_wait();
 
     DeltaIn next = dn_load(p, 0, key, h, j);
     for (u32 row = 0; row < p.rows; ++row) {
