@@ -368,11 +368,15 @@ TP_DEV float dn_block_sum(float v) {
 // taking elements t, t + T, ...; each reads its x twice (the second an L1 hit) and its z and w
 // once. Every element is read and written by one thread, so out may be x.
 // Bytes per row: 3 · dim · 4 read (+ w, an L2 hit after the first rows), dim · 4 written; at
-// decode a few dozen blocks: launch-bound.
+// decode a few dozen blocks: launch-bound. A thread's first weight (its only one at head dims
+// up to the block size) is a weight, written by no kernel of the step: it is loaded before
+// tp_pdl_wait(), so that the second pass waits on z, an L2 hit, and not on an HBM miss (the
+// layer's weights were last read a token ago).
 extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_GNORM_THREADS, 1) gated_rms_norm(GnormParams p) {
-    tp_pdl_wait();
     const u32 dim = p.dim, T = blockDim.x;
     const float* w = (const float*)p.w;
+    const float w0 = threadIdx.x < dim ? w[threadIdx.x] : 0.0f;
+    tp_pdl_wait();
     for (u64 r = blockIdx.x; r < p.rows; r += gridDim.x) {
         const float* x = (const float*)p.x + r * dim;
         const float* z = (const float*)p.z + r * dim;
@@ -380,6 +384,7 @@ extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_GNORM_THREADS, 1) gated_rms_norm(
         float ss = 0.0f;
         for (u32 e = threadIdx.x; e < dim; e += T) ss += x[e] * x[e];
         const float inv = 1.0f / sqrtf(dn_block_sum(ss) / (float)dim + p.eps);
-        for (u32 e = threadIdx.x; e < dim; e += T) out[e] = x[e] * inv * w[e] * dn_silu(z[e]);
+        for (u32 e = threadIdx.x; e < dim; e += T)
+            out[e] = x[e] * inv * (e == threadIdx.x ? w0 : w[e]) * dn_silu(z[e]);
     }
 }
