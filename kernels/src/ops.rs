@@ -451,11 +451,16 @@ impl<B> QkvRope<'_, B> {
 /// written by the op queued just before this one (under programmatic dependent launch the
 /// CUDA kernel reads them while that op still runs; the model's KV append writes row `pos`
 /// only).
+///
+/// `gate`: Qwen3.5's output gate, [rows, heads, head_dim] f32: `out` is then the attention's
+/// output times σ(gate), element by element, exactly as [`SigmoidMul`] on it (one launch fewer
+/// per attention layer than the two ops). It may not overlap `out`.
 pub struct Attention<'a, B> {
     pub q: View<'a, B>,
     pub k_cache: View<'a, B>,
     pub v_cache: View<'a, B>,
     pub out: View<'a, B>,
+    pub gate: Option<View<'a, B>>,
     pub pos: View<'a, B>,
     /// Row r's cache slot (continuous batching; see [`CacheSlots`]); `None`: one sequence.
     pub slots: Option<CacheSlots<'a, B>>,
@@ -503,6 +508,9 @@ impl<B> Attention<'_, B> {
         }
         expect("attention", "q", &self.q, self.rows * h * d, F32)?;
         expect("attention", "out", &self.out, self.rows * h * d, F32)?;
+        if let Some(g) = &self.gate {
+            expect("attention", "gate", g, self.rows * h * d, F32)?;
+        }
         expect(
             "attention",
             "k_cache",

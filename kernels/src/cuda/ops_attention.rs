@@ -14,6 +14,7 @@
 
 use super::launch::Launcher;
 use super::mem::CudaBuf;
+use super::ops_delta::check_alias;
 use super::program::Module;
 use super::twin::{self, Buf, Tol, TwinCase};
 use super::{CudaDevice, SelftestResult};
@@ -77,6 +78,7 @@ struct AttnParams {
     pos: u64,
     ws: u64,
     slots: u64,
+    gate: u64,
     rows: u32,
     heads: u32,
     kv_heads: u32,
@@ -90,7 +92,7 @@ struct AttnParams {
     nslots: u32,
     pad: u32,
 }
-const _: () = assert!(std::mem::size_of::<AttnParams>() == 104);
+const _: () = assert!(std::mem::size_of::<AttnParams>() == 112);
 
 fn dtype_index(d: DType) -> usize {
     match d {
@@ -175,6 +177,13 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
             .map(|s| addr(&s.ids, "slots"))
             .transpose()?
             .unwrap_or(0),
+        gate: match &a.gate {
+            Some(g) => {
+                check_alias("attention", &a.out, g, "out", false)?;
+                addr(g, "gate")?
+            }
+            None => 0,
+        },
         rows: a.rows as u32,
         heads: a.heads as u32,
         kv_heads: a.kv_heads as u32,
@@ -243,6 +252,8 @@ struct AttnCase {
     slots: Vec<u32>,
     nslots: usize,
     workspace: bool,
+    /// Qwen3.5's output gate (`ops::Attention::gate`).
+    gate: bool,
     /// Elements the caches' views start after the buffer's start (1: misaligned, the scalar
     /// path).
     shift: usize,
@@ -261,7 +272,7 @@ impl AttnCase {
 impl TwinCase for AttnCase {
     fn name(&self) -> String {
         format!(
-            "attention {} heads {}/{} d {} cap {} pos {:?} slots {:?}{}{}",
+            "attention {} heads {}/{} d {} cap {} pos {:?} slots {:?}{}{}{}",
             self.dtype,
             self.heads,
             self.kv_heads,
@@ -270,6 +281,7 @@ impl TwinCase for AttnCase {
             self.pos,
             self.slots,
             if self.workspace { " split" } else { " single" },
+            if self.gate { " gated" } else { "" },
             if self.shift > 0 { " misaligned" } else { "" }
         )
     }
@@ -295,7 +307,8 @@ impl TwinCase for AttnCase {
             ),
             Buf::output(DType::F32, n),
             Buf::input(DType::U32, encode_u32(&self.pos)),
-            // (a slot buffer in every case, so that the workspace is always buffer 6)
+            // (a slot buffer and a gate in every case, so that the workspace is always buffer
+            // 7)
             Buf::input(
                 DType::U32,
                 encode_u32(if self.slots.is_empty() {
@@ -304,6 +317,8 @@ impl TwinCase for AttnCase {
                     &self.slots
                 }),
             ),
+            // Gates of magnitude 1/8 .. 16, either sign: σ from ~1e-7 to ~1.
+            Buf::input(DType::F32, rng.bytes(DType::F32, n, -3..=3)),
         ];
         if self.workspace {
             let len =
@@ -322,6 +337,7 @@ impl TwinCase for AttnCase {
             k_cache: v[1].slice(self.shift, self.cache_len()),
             v_cache: v[2].slice(self.shift, self.cache_len()),
             out: v[3],
+            gate: self.gate.then_some(v[6]),
             pos: v[4],
             slots: (!self.slots.is_empty()).then_some(ops::CacheSlots {
                 ids: v[5],
@@ -332,7 +348,7 @@ impl TwinCase for AttnCase {
             kv_heads: self.kv_heads,
             head_dim: self.d,
             scale: 1.0 / (self.d as f32).sqrt(),
-            workspace: v.get(6).copied(),
+            workspace: v.get(7).copied(),
         })
     }
 
@@ -394,6 +410,7 @@ fn cases(seed: u64) -> Vec<AttnCase> {
                             slots: vec![],
                             nslots: 1,
                             workspace,
+                            gate: false,
                             shift: 0,
                             seed: next_seed(),
                         });
@@ -424,6 +441,7 @@ fn cases(seed: u64) -> Vec<AttnCase> {
                     slots: vec![],
                     nslots: 1,
                     workspace,
+                    gate: false,
                     shift,
                     seed: next_seed(),
                 });
@@ -443,6 +461,7 @@ fn cases(seed: u64) -> Vec<AttnCase> {
             slots: vec![],
             nslots: 1,
             workspace: true,
+            gate: false,
             shift: 0,
             seed: next_seed(),
         });
@@ -461,9 +480,30 @@ fn cases(seed: u64) -> Vec<AttnCase> {
                 slots: vec![],
                 nslots: 1,
                 workspace: true,
+                gate: false,
                 shift: 0,
                 seed: next_seed(),
             });
+        }
+        // Qwen3.5-27B's full attention at TP=1 (24 query heads over 4 KV heads of 256) with its
+        // output gate, one query and a prompt of three, split and single.
+        for workspace in [true, false] {
+            for pos in [vec![150u32], vec![20, 21, 22]] {
+                out.push(AttnCase {
+                    dtype,
+                    heads: 24,
+                    kv_heads: 4,
+                    d: 256,
+                    cap: 300,
+                    pos,
+                    slots: vec![],
+                    nslots: 1,
+                    workspace,
+                    gate: true,
+                    shift: 0,
+                    seed: next_seed(),
+                });
+            }
         }
         // A batch of sequences in cache slots (an id past the last slot is clamped to it),
         // a prompt of three positions in one slot among them, and one sequence in a slot (one
@@ -484,6 +524,7 @@ fn cases(seed: u64) -> Vec<AttnCase> {
                     slots,
                     nslots: 3,
                     workspace,
+                    gate: false,
                     shift: 0,
                     seed: next_seed(),
                 });
@@ -653,6 +694,7 @@ pub(super) mod tests {
                     k_cache: View::new(&k, 0, n, dtype),
                     v_cache: View::new(&v, 0, n, dtype),
                     out: View::new(&o, 0, qn, DType::F32),
+                    gate: None,
                     pos: View::new(&pb, 0, rows, DType::U32),
                     slots: None,
                     rows,

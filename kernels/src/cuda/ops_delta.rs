@@ -140,7 +140,7 @@ fn overlap(a: &View<'_, CudaBuf>, b: &View<'_, CudaBuf>) -> bool {
 
 /// `out` must not share bytes with `input`, or (`same_ok`) be exactly it: the kernels read an
 /// element before the same thread writes it, which only an exact alias keeps intact.
-fn check_alias(
+pub(super) fn check_alias(
     op: &str,
     out: &View<'_, CudaBuf>,
     input: &View<'_, CudaBuf>,

@@ -64,6 +64,7 @@ struct AttnParams {
     u64 pos;       // [rows] u32
     u64 ws;        // f32 workspace (split kernels and attn_merge only)
     u64 slots;     // [rows] u32 cache slot of each row (ops::CacheSlots), or 0: one sequence
+    u64 gate;      // [rows, heads, head_dim] f32 output gate (ops::Attention::gate), or 0
     u32 rows;
     u32 heads;
     u32 kv_heads;
@@ -79,6 +80,13 @@ struct AttnParams {
 };
 
 TP_DEV float attn_neg_inf() { return tp_f32_from_bits(0xff800000u); }
+
+// Element i of out: o, or with the output gate o · σ(gate[i]) in decode.cu sigmoid_mul's
+// expression (the CPU twin is the SigmoidMul op on the attention's output).
+TP_DEV void attn_put(const AttnParams& p, u64 i, float o) {
+    if (p.gate) o = o / (1.0f + expf(-((const float*)p.gate)[i]));
+    ((float*)p.out)[i] = o;
+}
 
 // Largest v over the wavefront, the same value in every lane. fmaxf drops a NaN operand, as
 // the CPU twin's f32::max does.
@@ -702,7 +710,7 @@ extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_ATTN_MERGE_THREADS, 1) attn_merge
         }
         __syncthreads();
     }
-    if (tid < d) ((float*)p.out)[((u64)row * p.heads + h) * d + tid] = o / l;
+    if (tid < d) attn_put(p, ((u64)row * p.heads + h) * d + tid, o / l);
 }
 
 // Grid (kv_heads * chunks, rows), TP_ATTN_THREADS threads, no workspace: one block walks all
@@ -719,10 +727,9 @@ TP_DEV void attn_single_kernel(const AttnParams& p, AttnSmem<G>& sm, AttnRun<G>&
     const u64 hoff = (u64)hd.kvh * d * D::SIZE + attn_slot_off(p, row, D::SIZE);
     const bool in_run = attn_range<D, G>(p, sm, run, (const u8*)p.k + hoff, (const u8*)p.v + hoff, 0, pos + 1);
     const float* l = in_run ? run.l : sm.l;
-    float* out = (float*)p.out;
     for (u32 i = tid; i < hd.gcount * d; i += TP_ATTN_THREADS) {
         const u32 g = i / d, j = i % d;
-        out[((u64)row * p.heads + hd.h0 + g) * d + j] = (in_run ? run.o[g][j] : sm.o[g][j]) / l[g];
+        attn_put(p, ((u64)row * p.heads + hd.h0 + g) * d + j, (in_run ? run.o[g][j] : sm.o[g][j]) / l[g]);
     }
 }
 

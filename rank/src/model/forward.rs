@@ -1723,8 +1723,9 @@ impl<D: Device> Model<D> {
         if !roped {
             dev.run(&Op::QkvRope(r))?;
         }
-        // att = softmax(q·kᵀ / √d + causal mask) · v; a single token, or a batch of them
-        // (one each), may split each sequence across blocks.
+        // att = softmax(q·kᵀ / √d + causal mask) · v (· sigmoid(gate), Qwen3.5's output
+        // gate); a single token, or a batch of them (one each), may split each sequence
+        // across blocks.
         let att = f32v(&s.att, m * nq);
         // (its workspace holds one query per cache slot)
         let split = single && (m == 1 || (slots.is_some() && m <= self.slots));
@@ -1733,6 +1734,7 @@ impl<D: Device> Model<D> {
             k_cache,
             v_cache,
             out: att,
+            gate: gated.then(|| View::new(&s.qkv, m * wqkv * 4, m * nq, DType::F32)),
             pos: rows.pos,
             slots,
             rows: m,
@@ -1747,14 +1749,6 @@ impl<D: Device> Model<D> {
                 )
             }),
         }))?;
-        if gated {
-            // att = att · sigmoid(gate)
-            dev.run(&Op::SigmoidMul(ops::SigmoidMul {
-                x: att,
-                gate: View::new(&s.qkv, m * wqkv * 4, m * nq, DType::F32),
-                out: att,
-            }))?;
-        }
         // o = o_proj(att)
         dev.run(&Op::Matmul(ops::Matmul {
             x: att,

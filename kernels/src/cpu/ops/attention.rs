@@ -169,31 +169,65 @@ mod tests {
                 );
                 let v = rounded(dtype, &rng.vec_sym(seq * kvh * hd));
                 let want = reference(&q, &k, &v, rows, heads, kvh, hd, pos0);
-                let (bq, bk, bv) = (
+                // Qwen3.5's output gate, σ(g) of gates in ±4.
+                let g: Vec<f32> = rng.vec_sym(q.len()).iter().map(|x| x * 4.0).collect();
+                let gated: Vec<f64> = want
+                    .iter()
+                    .zip(&g)
+                    .map(|(&o, &g)| o / (1.0 + (-g as f64).exp()))
+                    .collect();
+                let (bq, bk, bv, bg) = (
                     upload(&dev, DType::F32, &q),
                     upload(&dev, dtype, &k),
                     upload(&dev, dtype, &v),
+                    upload(&dev, DType::F32, &g),
                 );
                 let bo = dev.alloc(q.len() * 4).unwrap();
                 let pos: Vec<u32> = (0..rows as u32).map(|r| pos0 as u32 + r).collect();
                 let bp = upload_u32(&dev, &pos);
-                dev.run(&Op::Attention(crate::ops::Attention {
-                    q: View::new(&bq, 0, q.len(), DType::F32),
-                    k_cache: View::new(&bk, 0, k.len(), dtype),
-                    v_cache: View::new(&bv, 0, v.len(), dtype),
-                    out: View::new(&bo, 0, q.len(), DType::F32),
-                    rows,
-                    heads,
-                    kv_heads: kvh,
-                    head_dim: hd,
-                    pos: View::new(&bp, 0, rows, DType::U32),
-                    slots: None,
-                    scale: 1.0 / (hd as f32).sqrt(),
-                    workspace: None,
-                }))
-                .unwrap();
-                let err = max_err(&download(&dev, &bo, DType::F32, q.len()), &want);
-                assert!(err < 1e-5, "{dtype} {rows} {heads} {kvh}: {err}");
+                for (gate, want) in [(None, &want), (Some(&bg), &gated)] {
+                    dev.run(&Op::Attention(crate::ops::Attention {
+                        q: View::new(&bq, 0, q.len(), DType::F32),
+                        k_cache: View::new(&bk, 0, k.len(), dtype),
+                        v_cache: View::new(&bv, 0, v.len(), dtype),
+                        out: View::new(&bo, 0, q.len(), DType::F32),
+                        gate: gate.map(|b| View::new(b, 0, q.len(), DType::F32)),
+                        rows,
+                        heads,
+                        kv_heads: kvh,
+                        head_dim: hd,
+                        pos: View::new(&bp, 0, rows, DType::U32),
+                        slots: None,
+                        scale: 1.0 / (hd as f32).sqrt(),
+                        workspace: None,
+                    }))
+                    .unwrap();
+                    let err = max_err(&download(&dev, &bo, DType::F32, q.len()), want);
+                    assert!(
+                        err < 1e-5,
+                        "{dtype} {rows} {heads} {kvh} gated {}: {err}",
+                        gate.is_some()
+                    );
+                }
+                // A gate that overlaps the output would be overwritten before it is read.
+                let e = dev
+                    .run(&Op::Attention(crate::ops::Attention {
+                        q: View::new(&bq, 0, q.len(), DType::F32),
+                        k_cache: View::new(&bk, 0, k.len(), dtype),
+                        v_cache: View::new(&bv, 0, v.len(), dtype),
+                        out: View::new(&bo, 0, q.len(), DType::F32),
+                        gate: Some(View::new(&bo, 0, q.len(), DType::F32)),
+                        rows,
+                        heads,
+                        kv_heads: kvh,
+                        head_dim: hd,
+                        pos: View::new(&bp, 0, rows, DType::U32),
+                        slots: None,
+                        scale: 1.0 / (hd as f32).sqrt(),
+                        workspace: None,
+                    }))
+                    .unwrap_err();
+                assert!(e.to_string().contains("gate overlaps out"), "{e}");
             }
         }
     }

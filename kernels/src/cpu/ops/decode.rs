@@ -6,11 +6,11 @@
 
 use super::super::{CpuBuf, CpuDevice};
 use super::attention::{attention as attention_rows, AttnArgs};
-use super::elementwise::{add, silu_mul, silu_mul_epilogue};
+use super::elementwise::{add, sigmoid_mul, silu_mul, silu_mul_epilogue};
 use super::matmul::matmul as matmul_plain;
 use super::norm::rms_norm;
 use super::rope::rope as rope_rows;
-use super::{f32_ptr, typed_ptr};
+use super::{f32_ptr, overlaps, typed_ptr};
 use crate::ops::{self, Epilogue, Prologue, TOPK_MAX};
 use crate::{DType, Device, KernelError, Result, View};
 
@@ -127,6 +127,11 @@ pub(crate) fn qkv_rope(dev: &CpuDevice, a: &ops::QkvRope<'_, CpuBuf>) -> Result<
 }
 
 pub(crate) fn attention(dev: &CpuDevice, a: &ops::Attention<'_, CpuBuf>) -> Result<()> {
+    if a.gate.as_ref().is_some_and(|g| overlaps(g, &a.out)) {
+        return Err(KernelError::Invalid(
+            "attention: the gate overlaps out".into(),
+        ));
+    }
     let (row, kvrow) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
     let cap = a.cap();
     // Positions past the cache are clamped (ops::Attention).
@@ -169,7 +174,11 @@ pub(crate) fn attention(dev: &CpuDevice, a: &ops::Attention<'_, CpuBuf>) -> Resu
             },
         )?;
     }
-    Ok(())
+    // The output gate: the SigmoidMul op on the result, as the GPU kernels apply it.
+    match &a.gate {
+        Some(g) => sigmoid_mul(dev, &a.out, g, &a.out),
+        None => Ok(()),
+    }
 }
 
 pub(crate) fn matmul(dev: &CpuDevice, a: &ops::Matmul<'_, CpuBuf>) -> Result<()> {
