@@ -98,7 +98,7 @@ pub(crate) fn attention(dev: &CpuDevice, a: AttnArgs<'_, '_>) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
-    use crate::cpu::CpuDevice;
+    use crate::cpu::{CpuBuf, CpuDevice};
     use crate::{DType, Device, Op, View};
 
     #[allow(clippy::too_many_arguments)]
@@ -185,7 +185,8 @@ mod tests {
                 let bo = dev.alloc(q.len() * 4).unwrap();
                 let pos: Vec<u32> = (0..rows as u32).map(|r| pos0 as u32 + r).collect();
                 let bp = upload_u32(&dev, &pos);
-                for (gate, want) in [(None, &want), (Some(&bg), &gated)] {
+                // The op with `gate` (a buffer) as the output gate, or none.
+                let run = |gate: Option<&CpuBuf>| {
                     dev.run(&Op::Attention(crate::ops::Attention {
                         q: View::new(&bq, 0, q.len(), DType::F32),
                         k_cache: View::new(&bk, 0, k.len(), dtype),
@@ -201,7 +202,9 @@ mod tests {
                         scale: 1.0 / (hd as f32).sqrt(),
                         workspace: None,
                     }))
-                    .unwrap();
+                };
+                for (gate, want) in [(None, &want), (Some(&bg), &gated)] {
+                    run(gate).unwrap();
                     let err = max_err(&download(&dev, &bo, DType::F32, q.len()), want);
                     assert!(
                         err < 1e-5,
@@ -210,23 +213,7 @@ mod tests {
                     );
                 }
                 // A gate that overlaps the output would be overwritten before it is read.
-                let e = dev
-                    .run(&Op::Attention(crate::ops::Attention {
-                        q: View::new(&bq, 0, q.len(), DType::F32),
-                        k_cache: View::new(&bk, 0, k.len(), dtype),
-                        v_cache: View::new(&bv, 0, v.len(), dtype),
-                        out: View::new(&bo, 0, q.len(), DType::F32),
-                        gate: Some(View::new(&bo, 0, q.len(), DType::F32)),
-                        rows,
-                        heads,
-                        kv_heads: kvh,
-                        head_dim: hd,
-                        pos: View::new(&bp, 0, rows, DType::U32),
-                        slots: None,
-                        scale: 1.0 / (hd as f32).sqrt(),
-                        workspace: None,
-                    }))
-                    .unwrap_err();
+                let e = run(Some(&bo)).unwrap_err();
                 assert!(e.to_string().contains("gate overlaps out"), "{e}");
             }
         }
