@@ -277,7 +277,8 @@ impl<B> CausalConv<'_, B> {
 /// The gated RMSNorm that closes a Gated DeltaNet layer, per (row, head) of `dim` elements:
 /// `out = x / √(mean(x²) + eps) · w · silu(z)`. `x`, `z`, `out`: [rows, dim] f32 (`rows`
 /// counts every head of every token; out may be x); `w`: [head_dim] f32, where `dim` is the
-/// head dim (plain weights, not zero-centred).
+/// head dim (plain weights, not zero-centred). `w` must not be written by the op queued just
+/// before this one, as in [`GatedDelta`].
 pub struct GatedRmsNorm<'a, B> {
     pub x: View<'a, B>,
     pub z: View<'a, B>,

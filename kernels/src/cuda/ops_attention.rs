@@ -179,7 +179,7 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
             .unwrap_or(0),
         gate: match &a.gate {
             Some(g) => {
-                check_alias("attention", &a.out, g, "out", false)?;
+                check_alias("attention", &a.out, g, "out (against the gate)", false)?;
                 addr(g, "gate")?
             }
             None => 0,

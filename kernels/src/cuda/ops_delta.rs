@@ -776,7 +776,10 @@ mod tests {
 
     /// A prompt run as one call leaves the same state and outputs, bit for bit, as its rows
     /// run one call each: on the GPU because the kernel's arithmetic per row does not depend
-    /// on where the state sat between rows (registers or memory).
+    /// on where the state sat between rows (registers or memory). The row-by-row calls are
+    /// queued back to back, each reading the state the one before wrote, which `GatedDelta`'s
+    /// contract forbids under programmatic dependent launch: this holds because test devices
+    /// launch without it (`CudaDevice::new`; only decode turns it on).
     fn prefill_equals_token_by_token<D: Device>(dev: &D) {
         let case = DeltaCase {
             rows: 6,

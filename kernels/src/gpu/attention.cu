@@ -55,7 +55,7 @@
 // Threads of attn_merge: one per output element (head_dim <= TP_ATTN_DMAX).
 #define TP_ATTN_MERGE_THREADS 256
 
-// Arguments of every kernel here, by value. 7 * 8 + 12 * 4 = 104 bytes.
+// Arguments of every kernel here, by value. 8 * 8 + 12 * 4 = 112 bytes.
 struct AttnParams {
     u64 q;         // [rows, heads, head_dim] f32
     u64 k;         // [cap, kv_heads, head_dim] KV dtype

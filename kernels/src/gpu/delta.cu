@@ -81,7 +81,7 @@ struct ConvParams {
 // The taps are weights and the window was written by earlier steps (this kernel at the
 // previous token, or the fill that starts a sequence, many kernels back): no kernel of this
 // step writes either before this one, so both are loaded before tp_pdl_wait(), and the
-// window's HBM round trip (480 KiB at TP = 1, long evicted by the weights between two
+// window's HBM round trip (120 KiB at TP = 1, long evicted by the weights between two
 // tokens) overlaps the kernel before. Only x, that kernel's output, is read after it.
 extern "C" __global__ void TP_LAUNCH_BOUNDS(TP_CONV_THREADS, 1) causal_conv(ConvParams p) {
     const u32 c = blockIdx.x * blockDim.x + threadIdx.x;

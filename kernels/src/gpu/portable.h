@@ -245,10 +245,14 @@ TP_DEV u64 tp_time_ns() {
 // A decode kernel launched with programmatic stream serialization (the host's launch_fn on
 // sm_90 with PDL on) may start while the kernel before it on the stream is still finishing;
 // tp_pdl_wait() blocks until that kernel has completed and its writes are visible (PTX
-// griddepcontrol.wait), so every read of an earlier kernel's output must come after it.
-// Work that reads only what no kernel of the step writes (weights; the KV cache rows of earlier
-// steps, in attention's one-query path) may run before it: that is the overlap. Without the
-// launch attribute, and on HIP, it is a no-op.
+// griddepcontrol.wait), so every read of that kernel's output must come after it. Kernels
+// before that one have all completed when this one launches (each lets its dependents launch
+// only once past its own wait, below), so what only they wrote may be read before the wait:
+// weights, and step state written by earlier steps (the KV cache rows before the position, in
+// attention's one-query path; the DeltaNet conv window and recurrent state, written by the
+// same kernel a token earlier). That is the overlap. The ops that do so say, in ops.rs, which
+// inputs the op queued just before them must not write. Without the launch attribute, and on
+// HIP, it is a no-op.
 //
 // Once past the wait, the block also lets the next kernel launch (griddepcontrol.
 // launch_dependents: the next grid starts when every block of this one has said so or

@@ -214,7 +214,10 @@ mod tests {
                 }
                 // A gate that overlaps the output would be overwritten before it is read.
                 let e = run(Some(&bo)).unwrap_err();
-                assert!(e.to_string().contains("gate overlaps out"), "{e}");
+                assert!(
+                    e.to_string().contains("out (against the gate) overlaps"),
+                    "{e}"
+                );
             }
         }
     }
