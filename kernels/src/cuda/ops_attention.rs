@@ -14,7 +14,7 @@
 
 use super::launch::Launcher;
 use super::mem::CudaBuf;
-use super::ops_delta::check_alias;
+use super::ops_decode::check_alias;
 use super::program::Module;
 use super::twin::{self, Buf, Tol, TwinCase};
 use super::{CudaDevice, SelftestResult};

@@ -216,6 +216,31 @@ fn addr(v: &View<'_, CudaBuf>) -> Result<u64> {
     Ok(a)
 }
 
+/// Whether two views share bytes.
+fn overlap(a: &View<'_, CudaBuf>, b: &View<'_, CudaBuf>) -> bool {
+    std::ptr::eq(a.buf, b.buf) && a.offset < b.offset + b.bytes() && b.offset < a.offset + a.bytes()
+}
+
+/// `out` must not share bytes with `input`, or (`same_ok`) be exactly it: the kernels read an
+/// element before the same thread writes it, which only an exact alias keeps intact.
+pub(super) fn check_alias(
+    op: &str,
+    out: &View<'_, CudaBuf>,
+    input: &View<'_, CudaBuf>,
+    what: &str,
+    same_ok: bool,
+) -> Result<()> {
+    let same = std::ptr::eq(out.buf, input.buf)
+        && out.offset == input.offset
+        && out.bytes() == input.bytes();
+    if !overlap(out, input) || (same_ok && same) {
+        return Ok(());
+    }
+    Err(KernelError::Invalid(format!(
+        "{op}: {what} overlaps an input it is computed from"
+    )))
+}
+
 /// `out` must be exactly `input` or not overlap it: the kernels read each element before the
 /// same thread writes it, which a shifted overlap breaks (the CPU twin refuses it too).
 fn same_or_disjoint(out: &View<'_, CudaBuf>, input: &View<'_, CudaBuf>, what: &str) -> Result<()> {
