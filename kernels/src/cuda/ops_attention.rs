@@ -14,7 +14,7 @@
 
 use super::launch::Launcher;
 use super::mem::CudaBuf;
-use super::ops_decode::check_alias;
+use super::ops_decode::{check_alias, dtype_index};
 use super::program::Module;
 use super::twin::{self, Buf, Tol, TwinCase};
 use super::{CudaDevice, SelftestResult};
@@ -94,25 +94,16 @@ struct AttnParams {
 }
 const _: () = assert!(std::mem::size_of::<AttnParams>() == 112);
 
-fn dtype_index(d: DType) -> usize {
-    match d {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        DType::BF16 => 2,
-        DType::U32 => unreachable!("validate() keeps the cache a float dtype"),
-    }
-}
-
 /// The index of the attention kernel for `single` (no workspace), `group` query heads per KV
-/// head and the cache dtype.
-fn kernel_index(single: bool, group: usize, dtype: DType) -> usize {
+/// head and the cache dtype (a float dtype: `validate()` keeps the cache one).
+fn kernel_index(single: bool, group: usize, dtype: DType) -> Result<usize> {
     let g = match group.min(GMAX) {
         1 => 0,
         2 => 1,
         3 | 4 => 2,
         _ => 3,
     };
-    (usize::from(single) * 4 + g) * 3 + dtype_index(dtype)
+    Ok((usize::from(single) * 4 + g) * 3 + dtype_index(dtype)?)
 }
 
 /// The device address of `v`, which must be aligned to its element size.
@@ -207,7 +198,7 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
             p.ws = addr(&ws.slice(0, need), "workspace")?;
             let split = l.kernels.func(
                 Module::Attention,
-                kernel_index(false, group, a.k_cache.dtype),
+                kernel_index(false, group, a.k_cache.dtype)?,
             );
             // SAFETY: AttnParams is the parameter of every attention.cu kernel; every address
             // was bounds-checked above (the workspace for the rows · heads · parts partials
@@ -229,7 +220,7 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
         None => {
             let f = l.kernels.func(
                 Module::Attention,
-                kernel_index(true, group, a.k_cache.dtype),
+                kernel_index(true, group, a.k_cache.dtype)?,
             );
             // SAFETY: as for the split kernel; this kernel does not touch the workspace (0).
             unsafe { l.launch_fn(f, (x, a.rows as u32, 1), THREADS, 0, &mut p) }
@@ -558,19 +549,19 @@ pub(super) mod tests {
             );
         }
         assert_eq!(
-            NAMES[kernel_index(false, 1, DType::F32)],
+            NAMES[kernel_index(false, 1, DType::F32).unwrap()],
             "attn_split_g1_f32"
         );
         assert_eq!(
-            NAMES[kernel_index(false, 3, DType::BF16)],
+            NAMES[kernel_index(false, 3, DType::BF16).unwrap()],
             "attn_split_g4_bf16"
         );
         assert_eq!(
-            NAMES[kernel_index(true, 6, DType::F16)],
+            NAMES[kernel_index(true, 6, DType::F16).unwrap()],
             "attn_single_g8_f16"
         );
         assert_eq!(
-            NAMES[kernel_index(true, 12, DType::BF16)],
+            NAMES[kernel_index(true, 12, DType::BF16).unwrap()],
             "attn_single_g8_bf16"
         );
         assert_eq!(NAMES[MERGE], "attn_merge");

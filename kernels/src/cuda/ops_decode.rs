@@ -221,6 +221,11 @@ fn overlap(a: &View<'_, CudaBuf>, b: &View<'_, CudaBuf>) -> bool {
     std::ptr::eq(a.buf, b.buf) && a.offset < b.offset + b.bytes() && b.offset < a.offset + a.bytes()
 }
 
+/// Whether two views are the same bytes.
+fn same_view(a: &View<'_, CudaBuf>, b: &View<'_, CudaBuf>) -> bool {
+    std::ptr::eq(a.buf, b.buf) && a.offset == b.offset && a.bytes() == b.bytes()
+}
+
 /// `out` must not share bytes with `input`, or (`same_ok`) be exactly it: the kernels read an
 /// element before the same thread writes it, which only an exact alias keeps intact.
 pub(super) fn check_alias(
@@ -230,10 +235,7 @@ pub(super) fn check_alias(
     what: &str,
     same_ok: bool,
 ) -> Result<()> {
-    let same = std::ptr::eq(out.buf, input.buf)
-        && out.offset == input.offset
-        && out.bytes() == input.bytes();
-    if !overlap(out, input) || (same_ok && same) {
+    if !overlap(out, input) || (same_ok && same_view(out, input)) {
         return Ok(());
     }
     Err(KernelError::Invalid(format!(
@@ -244,10 +246,7 @@ pub(super) fn check_alias(
 /// `out` must be exactly `input` or not overlap it: the kernels read each element before the
 /// same thread writes it, which a shifted overlap breaks (the CPU twin refuses it too).
 fn same_or_disjoint(out: &View<'_, CudaBuf>, input: &View<'_, CudaBuf>, what: &str) -> Result<()> {
-    let same_buf = std::ptr::eq(out.buf, input.buf);
-    let (o0, o1) = (out.offset, out.offset + out.bytes());
-    let (i0, i1) = (input.offset, input.offset + input.bytes());
-    if !same_buf || (o0 == i0 && o1 == i1) || o1 <= i0 || i1 <= o0 {
+    if !overlap(out, input) || same_view(out, input) {
         return Ok(());
     }
     Err(KernelError::Invalid(format!(

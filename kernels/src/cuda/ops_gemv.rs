@@ -180,12 +180,8 @@ const _: () = assert!(std::mem::size_of::<GemvRopeParams>() == 160);
 /// Index into [`NAMES`]: 12 · family (m = 1, m ≤ [`TOKENS_SMALL`], more) + 3 · act (none,
 /// silu, norm, glu) + weight dtype (f32, f16, bf16).
 fn kernel_index(m: usize, act: Act, dtype: DType) -> Result<usize> {
-    let d = match dtype {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        DType::BF16 => 2,
-        DType::U32 => return Err(KernelError::Invalid("matmul: u32 weights".into())),
-    };
+    let d = super::ops_decode::dtype_index(dtype)
+        .map_err(|_| KernelError::Invalid("matmul: u32 weights".into()))?;
     let family = match m {
         0 | 1 => 0,
         2..=TOKENS_SMALL => 1,
