@@ -10,9 +10,9 @@
 # backend). Then the two decode benchmarks, NEW and BASE alternated, ROUNDS rounds (default 1):
 # the 27B TP=1 (128 tokens) and Llama-3-8B TP=1 (256 after a 128-token prompt), graph + PDL,
 # each with a check that both binaries give the same tokens; and the device copy bandwidth.
-# MORE binaries (bin 2, 3, ...) join the Llama rounds only (e.g. each of two changes alone
-# beside NEW, which has both), with the same tokens check against NEW.
-# PEER=1 adds, after the Llama rounds, the torch.compile'd transformers loop on the same
+# MORE binaries (bin 2, 3, ...) join the Llama rounds (e.g. each of two changes alone beside NEW,
+# which has both), with the same tokens check against NEW; with Q35_ALL=1 the 27B rounds too.
+# PEER=1 adds, at the end, the torch.compile'd transformers loop on the same
 # checkpoint (scripts/peer_hf_decode.py: issue 9's peer, ~2.5 minutes). BENCH=1 adds NEW's
 # `bench gemv --quant int4` (issue 11's int4 GEMV against the copy rate) while the 27B synth
 # finishes. PEER=1 BENCH=1 ROUNDS=1 covers both issues' speed targets in one call.
@@ -76,10 +76,6 @@ if [ $llama = 1 ]; then
         for i in $all; do run $i "l8b-r$r" $l --prompt-file /tmp/prompt.txt --max-new-tokens 256; done
     done
     [ -f "$out/l8b-r1-1.json" ] && same l8b-r1 $all
-    if [ "${PEER:-0}" = 1 ] && room 200 peer; then
-        echo "== peer: transformers static cache + torch.compile (same checkpoint, 256 after 128)"
-        tprun_peer $l 240
-    fi
 fi
 if [ "${BENCH:-0}" = 1 ] && room 120 "bench gemv"; then
     echo "== bench gemv --quant int4 (NEW)"
@@ -88,10 +84,16 @@ if [ "${BENCH:-0}" = 1 ] && room 120 "bench gemv"; then
 fi
 wait $sq || { fail "synth 27b"; tail -3 "$out/synth-q.err"; }
 echo "27b synth done after $(( $(date +%s) - t0 )) s"
+q35_bins=$([ "${Q35_ALL:-0}" = 1 ] && echo $all || echo 0 1)
 for r in $(seq "${ROUNDS:-1}"); do
-    room 110 "27b round $r" || break
-    for i in 0 1; do run $i "q35-r$r" $q --prompt "Once upon a time, in a land far away" --max-new-tokens 128; done
+    room $(( 55 * $(echo $q35_bins | wc -w) )) "27b round $r" || break
+    for i in $q35_bins; do run $i "q35-r$r" $q --prompt "Once upon a time, in a land far away" --max-new-tokens 128; done
 done
-[ -f "$out/q35-r1-1.json" ] && same q35-r1 0 1
+[ -f "$out/q35-r1-1.json" ] && same q35-r1 $q35_bins
+# The peer last, so that a short call keeps both of tprun's benchmarks.
+if [ $llama = 1 ] && [ "${PEER:-0}" = 1 ] && room 200 peer; then
+    echo "== peer: transformers static cache + torch.compile (same checkpoint as the Llama rounds, 256 after 128)"
+    tprun_peer $l 240
+fi
 echo "check_ab.sh: $([ $status -eq 0 ] && echo PASS || echo FAILED) after $(( $(date +%s) - t0 )) s"
 exit $status
