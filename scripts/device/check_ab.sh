@@ -11,7 +11,8 @@
 # the 27B TP=1 (128 tokens) and Llama-3-8B TP=1 (256 after a 128-token prompt), graph + PDL,
 # each with a check that both binaries give the same tokens; and the device copy bandwidth.
 # MORE binaries (bin 2, 3, ...) join the Llama rounds (e.g. each of two changes alone beside NEW,
-# which has both), with the same tokens check against NEW; with Q35_ALL=1 the 27B rounds too.
+# which has both), with the same tokens check against NEW; with Q35_ALL=1 the 27B rounds too, and
+# with L8B_MORE=0 not the Llama rounds (for a MORE binary that differs on the 27B's path only).
 # PEER=1 adds, at the end, the torch.compile'd transformers loop on the same
 # checkpoint (scripts/peer_hf_decode.py: issue 9's peer, ~2.5 minutes). BENCH=1 adds NEW's
 # `bench gemv --quant int4` (issue 11's int4 GEMV against the copy rate) while the 27B synth
@@ -68,14 +69,15 @@ same() {  # same TAG BINS...: every binary's tokens are NEW's
 }
 echo "== decode TP=1, graph + PDL: Llama-3-8B (256 after 128), 27B GPTQ (128 tokens); bin 0 NEW, bin 1 BASE, bins 2.. MORE"
 all=$(seq 0 $(( ${#bins[@]} - 1 )))
+l8b_bins=$([ "${L8B_MORE:-1}" = 1 ] && echo $all || echo 0 1)
 if [ $llama = 1 ]; then
     wait $sl || { fail "synth llama"; tail -3 "$out/synth-l.err"; }
     echo "llama synth done after $(( $(date +%s) - t0 )) s"
     for r in $(seq "${ROUNDS:-1}"); do
         room 40 "llama round $r" || break
-        for i in $all; do run $i "l8b-r$r" $l --prompt-file /tmp/prompt.txt --max-new-tokens 256; done
+        for i in $l8b_bins; do run $i "l8b-r$r" $l --prompt-file /tmp/prompt.txt --max-new-tokens 256; done
     done
-    [ -f "$out/l8b-r1-1.json" ] && same l8b-r1 $all
+    [ -f "$out/l8b-r1-1.json" ] && same l8b-r1 $l8b_bins
 fi
 if [ "${BENCH:-0}" = 1 ] && room 120 "bench gemv"; then
     echo "== bench gemv --quant int4 (NEW)"
