@@ -18,6 +18,9 @@
 # `bench gemv --quant int4` (issue 11's int4 GEMV against the copy rate) while the 27B synth
 # finishes. PEER=1 BENCH=1 ROUNDS=1 covers both issues' speed targets in one call.
 # STORIES_DIR travels in an ignored folder of the checkout (carry it). Results in $OUT.
+# Time (H100, 2026-12-07): the checks ~3.5 minutes, the synths (in the background) 175 s for
+# Llama and 297 s for the 27B, a decode run 30–45 s; two Llama runs and three 27B runs took 543
+# s in all and left no room for the peer (~200 s): with PEER=1, time two binaries.
 # DEADLINE (epoch seconds): sections that no longer fit are skipped and say so. NO_LLAMA=1 skips
 # the Llama-3-8B synth and rounds (and the peer), for a change that only the 27B can show.
 set -uo pipefail
