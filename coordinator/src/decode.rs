@@ -348,7 +348,7 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
     };
     let mut st = Streamer {
         tok: model.tok,
-        stream: TextStream::new(),
+        stream: TextStream::after(&prompt),
         ids: Vec::new(),
         text: String::new(),
         json: args.json,

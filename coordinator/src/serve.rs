@@ -912,6 +912,8 @@ async fn generate(s: Arc<Shared>, ids: Vec<u32>, sp: Sampling, kind: Kind) -> Re
     }
     let id = s.next_id.fetch_add(1, Ordering::Relaxed);
     let prompt_len = ids.len();
+    // The completion's text continues the prompt's (a leading space kept).
+    let text = TextStream::after(&ids);
     let (tx, rx) = unbounded_channel();
     let budget = sp.max_tokens.min(s.context - ids.len());
     let req = GenRequest {
@@ -981,7 +983,7 @@ async fn generate(s: Arc<Shared>, ids: Vec<u32>, sp: Sampling, kind: Kind) -> Re
         rx,
         prompt_len,
         last: arrived,
-        text: TextStream::new(),
+        text,
         stop: StopText::new(sp.stop),
         generated: 0,
     };

@@ -170,9 +170,24 @@ pub struct TextStream {
 /// and a byte-fallback token carries at least one.
 const MAX_HELD: usize = 8;
 
+/// Prompt ids a stream of generated ids starts after (see [`TextStream::after`]).
+const CONTEXT: usize = 4;
+
 impl TextStream {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A stream of the ids generated after `prompt`: its last few ids are the first window's
+    /// context, so that the first piece is what it adds to the prompt's text. Without them a
+    /// decoder that strips the leading space of a text (Llama's, Mistral's) took it from the
+    /// first generated token: "Once upon a" went on "time", printed "Once upon atime".
+    pub fn after(prompt: &[u32]) -> Self {
+        let window = prompt[prompt.len().saturating_sub(CONTEXT)..].to_vec();
+        Self {
+            read: window.len(),
+            window,
+        }
     }
 
     /// Adds one token and returns the new text, if any is complete.
@@ -375,5 +390,19 @@ mod tests {
             );
         }
         assert_eq!(streamed, text);
+        // Streamed after any cut of the prompt and generation, the pieces are what the ids
+        // after the cut add to the text before it: at 4 ids ("Once upon a"), " time", with
+        // the space that decoding "▁time" alone strips.
+        for cut in 1..12 {
+            let mut stream = TextStream::after(&all[..cut]);
+            let mut streamed = String::new();
+            for &t in &all[cut..] {
+                streamed.extend(stream.push(&tok, t).unwrap());
+            }
+            let before = tok.decode(&all[..cut]).unwrap();
+            assert_eq!(format!("{before}{streamed}"), text, "cut {cut}");
+        }
+        let mut stream = TextStream::after(&all[..4]);
+        assert_eq!(stream.push(&tok, all[4]).unwrap().as_deref(), Some(" time"));
     }
 }

@@ -73,6 +73,43 @@ fn stories260k_matches_the_transformers_reference_at_every_world_size() {
     env.assert_clean();
 }
 
+/// The text continues the prompt: with a prompt that stops before a word, the first
+/// generated token's leading space is kept ("Once upon a" + " time", not "time"), in the
+/// JSON and in the printed text.
+#[test]
+fn stories260k_text_continues_the_prompt() {
+    let Some(model) = shared_model() else {
+        println!("skipped: ../shared/models/stories260k not found");
+        return;
+    };
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("reference.json")).unwrap())
+            .unwrap();
+    let want = reference["text"].as_str().unwrap();
+    let env = Env::new("stories-text");
+    let args = [
+        "--prompt",
+        "Once upon a",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "6",
+    ];
+    let v = decode_json(&env, 1, &model, &args);
+    let text = v["text"].as_str().unwrap();
+    assert!(text.starts_with(" time,"), "{text:?}");
+    assert!(want.starts_with(&format!("Once upon a{text}")), "{text:?}");
+    let mut c = env.cmd();
+    c.args(["--ranks", "1", "--backend", "cpu", "decode", "--model"])
+        .arg(&model)
+        .args(args);
+    let out = c.output().unwrap();
+    assert!(out.status.success());
+    let printed = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(printed.trim_end(), format!("Once upon a{text}"));
+    env.assert_clean();
+}
+
 fn synth(env: &Env, arch: &str, dtype: &str) -> PathBuf {
     let out = env.dir.join(format!("model-{arch}-{dtype}"));
     let mut c = env.cmd();

@@ -226,7 +226,9 @@ fn decode_text(env: &Env, world: usize, model: Option<&Path>, prompt: &str, n: u
 fn check_server(world: usize, model: Option<&Path>) {
     let env = Env::new("serve");
     let srv = Server::start(&env, world, model, &["--max-seq", "256"]);
-    let prompts = ["Once upon a time", "The little dog", "Lily"];
+    // "Once upon a" stops before a word: stories260k's completion goes on " time", and the
+    // text keeps that space, as decode's does.
+    let prompts = ["Once upon a", "The little dog", "Lily"];
     for (i, p) in prompts.iter().enumerate() {
         let n = 8 + 6 * i;
         let want = decode_text(&env, world, model, p, n);
@@ -237,6 +239,9 @@ fn check_server(world: usize, model: Option<&Path>) {
             want,
             "prompt {p:?}"
         );
+        if model.is_some() && i == 0 {
+            assert!(want.starts_with(" time"), "{want:?}");
+        }
         let u = &v["usage"];
         assert!(u["completion_tokens"].as_u64().unwrap() <= n as u64);
         assert_eq!(
