@@ -91,10 +91,13 @@ pub fn tokenizer(data: &[u8]) {
         return;
     };
     let _ = tok.decode(&ids);
-    let mut stream = TextStream::new();
-    for id in ids.into_iter().chain([0, 1, 255, 256, u32::MAX]) {
-        if stream.push(&tok, id).is_err() {
-            break;
+    // Streamed from the start, and after the first half as the prompt (decode and serve).
+    for cut in [0, ids.len() / 2] {
+        let mut stream = TextStream::after(&ids[..cut]);
+        for &id in ids[cut..].iter().chain(&[0, 1, 255, 256, u32::MAX]) {
+            if stream.push(&tok, id).is_err() {
+                break;
+            }
         }
     }
 }
