@@ -31,15 +31,19 @@ fn ids(v: &serde_json::Value) -> Vec<u64> {
         .collect()
 }
 
+/// The shared stories260k folder and its transformers reference, where the folder is there.
+fn stories260k() -> Option<(PathBuf, serde_json::Value)> {
+    let model = shared_model()?;
+    let text = std::fs::read_to_string(model.join("reference.json")).unwrap();
+    Some((model, serde_json::from_str(&text).unwrap()))
+}
+
 #[test]
 fn stories260k_matches_the_transformers_reference_at_every_world_size() {
-    let Some(model) = shared_model() else {
+    let Some((model, reference)) = stories260k() else {
         println!("skipped: ../shared/models/stories260k not found");
         return;
     };
-    let reference: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(model.join("reference.json")).unwrap())
-            .unwrap();
     let want = ids(&reference["generated_token_ids"]);
     // The reference stops 200 tokens past BOS (its "about" says so): the same budget here.
     let budget = want.len().to_string();
@@ -78,13 +82,10 @@ fn stories260k_matches_the_transformers_reference_at_every_world_size() {
 /// JSON and in the printed text.
 #[test]
 fn stories260k_text_continues_the_prompt() {
-    let Some(model) = shared_model() else {
+    let Some((model, reference)) = stories260k() else {
         println!("skipped: ../shared/models/stories260k not found");
         return;
     };
-    let reference: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(model.join("reference.json")).unwrap())
-            .unwrap();
     let want = reference["text"].as_str().unwrap();
     let env = Env::new("stories-text");
     let args = [
