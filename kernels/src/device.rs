@@ -152,6 +152,13 @@ impl<'a, B> View<'a, B> {
         self.len * self.dtype.size()
     }
 
+    /// Whether the byte ranges of this view and `other` share any byte.
+    pub fn overlaps(&self, other: &View<'_, B>) -> bool {
+        std::ptr::eq(self.buf, other.buf)
+            && self.offset < other.offset + other.bytes()
+            && other.offset < self.offset + self.bytes()
+    }
+
     /// The sub-view of elements `start..start + len`.
     pub fn slice(&self, start: usize, len: usize) -> Self {
         debug_assert!(start + len <= self.len);

@@ -216,11 +216,6 @@ fn addr(v: &View<'_, CudaBuf>) -> Result<u64> {
     Ok(a)
 }
 
-/// Whether two views share bytes.
-fn overlap(a: &View<'_, CudaBuf>, b: &View<'_, CudaBuf>) -> bool {
-    std::ptr::eq(a.buf, b.buf) && a.offset < b.offset + b.bytes() && b.offset < a.offset + a.bytes()
-}
-
 /// Whether two views are the same bytes.
 fn same_view(a: &View<'_, CudaBuf>, b: &View<'_, CudaBuf>) -> bool {
     std::ptr::eq(a.buf, b.buf) && a.offset == b.offset && a.bytes() == b.bytes()
@@ -235,7 +230,7 @@ pub(super) fn check_alias(
     what: &str,
     same_ok: bool,
 ) -> Result<()> {
-    if !overlap(out, input) || (same_ok && same_view(out, input)) {
+    if !out.overlaps(input) || (same_ok && same_view(out, input)) {
         return Ok(());
     }
     Err(KernelError::Invalid(format!(
@@ -246,7 +241,7 @@ pub(super) fn check_alias(
 /// `out` must be exactly `input` or not overlap it: the kernels read each element before the
 /// same thread writes it, which a shifted overlap breaks (the CPU twin refuses it too).
 fn same_or_disjoint(out: &View<'_, CudaBuf>, input: &View<'_, CudaBuf>, what: &str) -> Result<()> {
-    if !overlap(out, input) || same_view(out, input) {
+    if !out.overlaps(input) || same_view(out, input) {
         return Ok(());
     }
     Err(KernelError::Invalid(format!(

@@ -2,7 +2,7 @@
 //! cache, with f32 scores and softmax (as transformers' eager attention in f32).
 
 use super::super::{par_ranges, CpuBuf, CpuDevice};
-use super::{dot, f32_ptr, overlaps, typed_ptr, widen, MIN_WORK_PER_THREAD};
+use super::{dot, f32_ptr, typed_ptr, widen, MIN_WORK_PER_THREAD};
 use crate::dtype::Elem;
 use crate::{with_dtype, DType, KernelError, Result, View};
 
@@ -31,7 +31,7 @@ pub(crate) fn attention(dev: &CpuDevice, a: AttnArgs<'_, '_>) -> Result<()> {
             "attention: k and v caches differ in dtype".into(),
         ));
     }
-    if overlaps(a.q, a.out) || overlaps(a.k_cache, a.out) || overlaps(a.v_cache, a.out) {
+    if a.q.overlaps(a.out) || a.k_cache.overlaps(a.out) || a.v_cache.overlaps(a.out) {
         return Err(KernelError::Invalid(
             "attention: out overlaps an input".into(),
         ));

@@ -10,7 +10,7 @@ use super::elementwise::{add, sigmoid_mul, silu_mul, silu_mul_epilogue};
 use super::matmul::matmul as matmul_plain;
 use super::norm::rms_norm;
 use super::rope::rope as rope_rows;
-use super::{f32_ptr, overlaps, typed_ptr};
+use super::{f32_ptr, typed_ptr};
 use crate::ops::{self, Epilogue, Prologue, TOPK_MAX};
 use crate::{DType, Device, KernelError, Result, View};
 
@@ -127,7 +127,7 @@ pub(crate) fn qkv_rope(dev: &CpuDevice, a: &ops::QkvRope<'_, CpuBuf>) -> Result<
 }
 
 pub(crate) fn attention(dev: &CpuDevice, a: &ops::Attention<'_, CpuBuf>) -> Result<()> {
-    if a.gate.as_ref().is_some_and(|g| overlaps(g, &a.out)) {
+    if a.gate.as_ref().is_some_and(|g| g.overlaps(&a.out)) {
         return Err(KernelError::Invalid(
             "attention: out (against the gate) overlaps an input it is computed from".into(),
         ));

@@ -9,14 +9,14 @@
 
 use super::super::{par_ranges, CpuBuf, CpuDevice};
 use super::elementwise::silu_mul_epilogue;
-use super::{dot, f32_ptr, overlaps, typed_ptr, MIN_WORK_PER_THREAD};
+use super::{dot, f32_ptr, typed_ptr, MIN_WORK_PER_THREAD};
 use crate::int4::PACK;
 use crate::ops::{Epilogue, MatmulInt4, Prologue};
 use crate::{KernelError, Result};
 
 pub(crate) fn matmul_int4(dev: &CpuDevice, a: &MatmulInt4<'_, CpuBuf>) -> Result<()> {
     let (m, k, n, kq, group, groups) = (a.m, a.k, a.n, a.kq(), a.group, a.groups);
-    if overlaps(&a.x, &a.y) || overlaps(&a.qweight, &a.y) {
+    if a.x.overlaps(&a.y) || a.qweight.overlaps(&a.y) {
         return Err(KernelError::Invalid(
             "matmul_int4: y overlaps x or the weights".into(),
         ));

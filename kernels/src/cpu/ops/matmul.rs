@@ -9,7 +9,7 @@
 
 use super::super::reduce::SendPtr;
 use super::super::{par_ranges, CpuBuf, CpuDevice};
-use super::{dot, f32_ptr, fold_lanes, overlaps, typed_ptr, widen, DOT_LANES, MIN_WORK_PER_THREAD};
+use super::{dot, f32_ptr, fold_lanes, typed_ptr, widen, DOT_LANES, MIN_WORK_PER_THREAD};
 use crate::dtype::Elem;
 use crate::{with_dtype, DType, KernelError, Result, View};
 
@@ -30,7 +30,7 @@ pub(crate) fn matmul(
             w.len
         )));
     }
-    if overlaps(x, y) || overlaps(w, y) {
+    if x.overlaps(y) || w.overlaps(y) {
         return Err(KernelError::Invalid("matmul: y overlaps x or w".into()));
     }
     let px = f32_ptr(x, m * k, "matmul x")?;

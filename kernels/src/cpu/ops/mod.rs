@@ -47,11 +47,6 @@ pub(crate) fn typed_ptr<T>(v: &View<'_, CpuBuf>, len: usize, what: &str) -> Resu
     Ok(SendPtr(v.buf.typed::<T>(v.offset, len, v.dtype)?))
 }
 
-/// Whether the byte ranges of two views share any byte.
-pub(crate) fn overlaps(a: &View<'_, CpuBuf>, b: &View<'_, CpuBuf>) -> bool {
-    std::ptr::eq(a.buf, b.buf) && a.offset < b.offset + b.bytes() && b.offset < a.offset + a.bytes()
-}
-
 /// An in-place op's output must be exactly its input or not touch it at all.
 pub(crate) fn same_or_disjoint(
     a: &View<'_, CpuBuf>,
@@ -59,7 +54,7 @@ pub(crate) fn same_or_disjoint(
     what: &str,
 ) -> Result<()> {
     let same = std::ptr::eq(a.buf, b.buf) && a.offset == b.offset;
-    if same || !overlaps(a, b) {
+    if same || !a.overlaps(b) {
         Ok(())
     } else {
         Err(KernelError::Invalid(format!(
