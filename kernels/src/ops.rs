@@ -511,6 +511,13 @@ impl<B> Attention<'_, B> {
         expect("attention", "out", &self.out, self.rows * h * d, F32)?;
         if let Some(g) = &self.gate {
             expect("attention", "gate", g, self.rows * h * d, F32)?;
+            // Every backend writes out as it reads the gate: out would overwrite it first.
+            if g.overlaps(&self.out) {
+                return Err(bad(
+                    "attention",
+                    "out (against the gate) overlaps an input it is computed from",
+                ));
+            }
         }
         expect(
             "attention",

@@ -14,7 +14,7 @@
 
 use super::launch::Launcher;
 use super::mem::CudaBuf;
-use super::ops_decode::{check_alias, dtype_index};
+use super::ops_decode::dtype_index;
 use super::program::Module;
 use super::twin::{self, Buf, Tol, TwinCase};
 use super::{CudaDevice, SelftestResult};
@@ -168,13 +168,8 @@ pub(crate) fn launch(l: &Launcher<'_>, op: &Op<'_, CudaBuf>) -> Result<()> {
             .map(|s| addr(&s.ids, "slots"))
             .transpose()?
             .unwrap_or(0),
-        gate: match &a.gate {
-            Some(g) => {
-                check_alias("attention", &a.out, g, "out (against the gate)", false)?;
-                addr(g, "gate")?
-            }
-            None => 0,
-        },
+        // (validate() refuses a gate that overlaps out.)
+        gate: a.gate.map(|g| addr(&g, "gate")).transpose()?.unwrap_or(0),
         rows: a.rows as u32,
         heads: a.heads as u32,
         kv_heads: a.kv_heads as u32,

@@ -127,11 +127,6 @@ pub(crate) fn qkv_rope(dev: &CpuDevice, a: &ops::QkvRope<'_, CpuBuf>) -> Result<
 }
 
 pub(crate) fn attention(dev: &CpuDevice, a: &ops::Attention<'_, CpuBuf>) -> Result<()> {
-    if a.gate.as_ref().is_some_and(|g| g.overlaps(&a.out)) {
-        return Err(KernelError::Invalid(
-            "attention: out (against the gate) overlaps an input it is computed from".into(),
-        ));
-    }
     let (row, kvrow) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
     let cap = a.cap();
     // Positions past the cache are clamped (ops::Attention).
