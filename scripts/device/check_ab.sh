@@ -21,13 +21,20 @@
 # Time (H100, 2026-12-07): the checks ~3.5 minutes, the synths (in the background) 175 s for
 # Llama and 297 s for the 27B, a decode run 30–45 s; two Llama runs and three 27B runs took 543
 # s in all and left no room for the peer (~200 s): with PEER=1, time two binaries.
+# BASE "-" times NEW alone (a session's figures: with PEER=1 BENCH=1 the whole call fits an H100's
+# ten minutes); no MORE binaries then.
 # DEADLINE (epoch seconds): sections that no longer fit are skipped and say so. NO_LLAMA=1 skips
 # the Llama-3-8B synth and rounds (and the peer), for a change that only the 27B can show.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 [ $# -ge 3 ] || { echo "usage: check_ab.sh NEW BASE STORIES_DIR [MORE...]"; exit 2; }
 . "$root/scripts/device/common.sh"
-tprun_ab "$1" "$2" "${@:4}"  # $bins, $out, the kernel cache, libnvrtc, status=0
+if [ "$2" = - ]; then
+    [ $# -eq 3 ] || { echo "check_ab.sh: BASE - takes no MORE binaries"; exit 2; }
+    tprun_ab "$1"  # $bins, $out, the kernel cache, libnvrtc, status=0
+else
+    tprun_ab "$1" "$2" "${@:4}"
+fi
 stories="$(realpath "$3")"
 q=/tmp/tprun-ab-q35-27b l=/tmp/tprun-ab-l8b
 trap 'rm -rf "$q" "$l"' EXIT
@@ -72,7 +79,8 @@ same() {  # same TAG BINS...: every binary's tokens are NEW's
 }
 echo "== decode TP=1, graph + PDL: Llama-3-8B (256 after 128), 27B GPTQ (128 tokens); bin 0 NEW, bin 1 BASE, bins 2.. MORE"
 all=$(seq 0 $(( ${#bins[@]} - 1 )))
-l8b_bins=$([ "${L8B_MORE:-1}" = 1 ] && echo $all || echo 0 1)
+pair=$(seq 0 $(( ${#bins[@]} > 1 ? 1 : 0 )))  # NEW and BASE, or NEW alone
+l8b_bins=$([ "${L8B_MORE:-1}" = 1 ] && echo $all || echo $pair)
 if [ $llama = 1 ]; then
     wait $sl || { fail "synth llama"; tail -3 "$out/synth-l.err"; }
     echo "llama synth done after $(( $(date +%s) - t0 )) s"
@@ -89,7 +97,7 @@ if [ "${BENCH:-0}" = 1 ] && room 120 "bench gemv"; then
 fi
 wait $sq || { fail "synth 27b"; tail -3 "$out/synth-q.err"; }
 echo "27b synth done after $(( $(date +%s) - t0 )) s"
-q35_bins=$([ "${Q35_ALL:-0}" = 1 ] && echo $all || echo 0 1)
+q35_bins=$([ "${Q35_ALL:-0}" = 1 ] && echo $all || echo $pair)
 for r in $(seq "${ROUNDS:-1}"); do
     room $(( 55 * $(echo $q35_bins | wc -w) )) "27b round $r" || break
     for i in $q35_bins; do run $i "q35-r$r" $q --prompt "Once upon a time, in a land far away" --max-new-tokens 128; done
