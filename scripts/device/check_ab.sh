@@ -12,11 +12,13 @@
 # each with a check that both binaries give the same tokens; and the device copy bandwidth.
 # MORE binaries (bin 2, 3, ...) join the Llama rounds (e.g. each of two changes alone beside NEW,
 # which has both), with the same tokens check against NEW; with Q35_ALL=1 the 27B rounds too, and
-# with L8B_MORE=0 not the Llama rounds (for a MORE binary that differs on the 27B's path only).
+# with L8B_MORE=0 not the Llama rounds (for a MORE binary that differs on the 27B's path only);
+# L8B_BINS="0" (bin indices) times only those on Llama (a change that Llama-3-8B's bf16 path
+# does not run: the call keeps room for the peer).
 # PEER=1 adds, at the end, the torch.compile'd transformers loop on the same
 # checkpoint (scripts/peer_hf_decode.py: issue 9's peer, ~2.5 minutes). BENCH=1 adds NEW's
 # `bench gemv --quant int4` (issue 11's int4 GEMV against the copy rate) while the 27B synth
-# finishes. PEER=1 BENCH=1 ROUNDS=1 covers both issues' speed targets in one call.
+# finishes; BENCH=2 BASE's too, after it. PEER=1 BENCH=1 ROUNDS=1 covers both issues' speed targets in one call.
 # STORIES_DIR travels in an ignored folder of the checkout (carry it). Results in $OUT.
 # Time (H100, 2026-12-07): the checks ~3.5 minutes, the synths (in the background) 175 s for
 # Llama and 297 s for the 27B, a decode run 30–45 s; two Llama runs and three 27B runs took 543
@@ -80,7 +82,7 @@ same() {  # same TAG BINS...: every binary's tokens are NEW's
 echo "== decode TP=1, graph + PDL: Llama-3-8B (256 after 128), 27B GPTQ (128 tokens); bin 0 NEW, bin 1 BASE, bins 2.. MORE"
 all=$(seq 0 $(( ${#bins[@]} - 1 )))
 pair=$(seq 0 $(( ${#bins[@]} > 1 ? 1 : 0 )))  # NEW and BASE, or NEW alone
-l8b_bins=$([ "${L8B_MORE:-1}" = 1 ] && echo $all || echo $pair)
+l8b_bins=${L8B_BINS:-$([ "${L8B_MORE:-1}" = 1 ] && echo $all || echo $pair)}
 if [ $llama = 1 ]; then
     wait $sl || { fail "synth llama"; tail -3 "$out/synth-l.err"; }
     echo "llama synth done after $(( $(date +%s) - t0 )) s"
@@ -88,12 +90,17 @@ if [ $llama = 1 ]; then
         room 40 "llama round $r" || break
         for i in $l8b_bins; do run $i "l8b-r$r" $l --prompt-file /tmp/prompt.txt --max-new-tokens 256; done
     done
-    [ -f "$out/l8b-r1-1.json" ] && same l8b-r1 $l8b_bins
+    [ -f "$out/l8b-r1-1.json" ] && [ -f "$out/l8b-r1-0.json" ] && same l8b-r1 $l8b_bins
 fi
 if [ "${BENCH:-0}" = 1 ] && room 120 "bench gemv"; then
     echo "== bench gemv --quant int4 (NEW)"
     timeout 150 "${bins[0]}" --backend cuda --timeout 180 bench gemv --quant int4 > "$out/gemv.txt" 2>&1 || fail "bench gemv"
     cat "$out/gemv.txt"
+    if [ "${BENCH}" = 2 ] && [ ${#bins[@]} -gt 1 ] && room 150 "bench gemv (BASE)"; then
+        echo "== bench gemv --quant int4 (BASE)"
+        timeout 150 "${bins[1]}" --backend cuda --timeout 180 bench gemv --quant int4 > "$out/gemv-1.txt" 2>&1 || fail "bench gemv (BASE)"
+        cat "$out/gemv-1.txt"
+    fi
 fi
 wait $sq || { fail "synth 27b"; tail -3 "$out/synth-q.err"; }
 echo "27b synth done after $(( $(date +%s) - t0 )) s"
