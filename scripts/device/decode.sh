@@ -213,6 +213,13 @@ case "$mode" in
         wait $synth; cat "$out/synth.log"
         sec_tp1 ;;
     perf) sec_synth; sec_tp1; sec_copy; sec_peer; sec_hf; sec_tp4 ;;
+    tp4)
+        # TP=4 on one GPU alone (~4.5 minutes on an H100): one TP=1 run, for its tokens, then
+        # sec_tp4.
+        sec_synth
+        $bin --backend cuda --ranks 1 --timeout 30 decode --model $m --prompt-file /tmp/prompt.txt --temperature 0 --max-new-tokens 256 --ignore-eos --json > "$out/l8b-tp1-default.json" 2>"$out/l8b-tp1.err" || fail "tp1"
+        python3 -c "import json;j=json.load(open('$out/l8b-tp1-default.json'));print(f\"tprun TP=1: {j['decode_tokens_per_s']:.1f} tok/s, p50 {j['token_latency_p50_ms']:.3f} ms\")"
+        sec_tp4 ;;
     all)
         # The 16 GB synth writes on the CPUs while the small correctness runs use the GPU.
         sec_synth > "$out/synth.log" 2>&1 &
@@ -220,7 +227,7 @@ case "$mode" in
         sec_stories
         wait $synth; cat "$out/synth.log"
         sec_tp1; sec_copy; sec_hf; sec_peer; sec_tp4; sec_q3; sec_bad; sec_kill; sec_selftest ;;
-    *) echo "usage: decode.sh check|perf|all|quick|kill|stories|selftest BIN [STORIES_DIR]"; exit 2 ;;
+    *) echo "usage: decode.sh check|perf|all|quick|tp4|kill|stories|selftest BIN [STORIES_DIR]"; exit 2 ;;
 esac
 echo "decode.sh $mode: $([ $status -eq 0 ] && echo PASS || echo FAIL)"
 exit $status
