@@ -279,8 +279,9 @@ impl<B> Op<'_, B> {
         }
     }
 
-    /// The checks of the op's argument struct: shapes, dtypes, parameters. [`Device::run`]
-    /// calls it once; backends' [`Device::launch`] may assume it passed.
+    /// The checks of the op's argument struct: shapes, dtypes, parameters, and which outputs
+    /// may share bytes with which inputs. [`Device::run`] calls it once; backends'
+    /// [`Device::launch`] may assume it passed.
     pub fn validate(&self) -> Result<()> {
         match self {
             Op::Copy(a) => a.validate(),

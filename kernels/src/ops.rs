@@ -37,6 +37,57 @@ fn expect<B>(
     }
 }
 
+/// `out` must share no byte with `input`, which the op reads while its outputs are being
+/// written (`what`: the pair, for the error).
+fn apart<B>(op: &str, what: &str, out: &View<'_, B>, input: &View<'_, B>) -> Result<()> {
+    if out.overlaps(input) {
+        return Err(bad(
+            op,
+            format!("{what} overlaps an input it is computed from"),
+        ));
+    }
+    Ok(())
+}
+
+/// An in-place op's output: exactly `input` (every backend reads an element before the same
+/// thread writes it) or no byte of it (a shifted overlap would read elements already written).
+fn in_place_or_apart<B>(
+    op: &str,
+    what: &str,
+    out: &View<'_, B>,
+    input: &View<'_, B>,
+) -> Result<()> {
+    let same = out.offset == input.offset && out.bytes() == input.bytes();
+    if out.overlaps(input) && !same {
+        return Err(bad(op, format!("{what} partly overlaps an input")));
+    }
+    Ok(())
+}
+
+/// A product's outputs against its inputs ([`Matmul`], [`AddNormMatmul`], and through them
+/// [`QkvMatmul`]): every wave reads all of `x` (and `delta`) while others write, so `y` shares
+/// no byte with `x`, `w` or `delta`, and `x_out` none with `x`, `delta` or `y`.
+fn product_apart<B>(
+    op: &str,
+    (x, w, y): (&View<'_, B>, &View<'_, B>, &View<'_, B>),
+    delta: Option<&View<'_, B>>,
+    x_out: Option<&View<'_, B>>,
+) -> Result<()> {
+    apart(op, "y (against x)", y, x)?;
+    apart(op, "y (against w)", y, w)?;
+    if let Some(d) = delta {
+        apart(op, "y (against delta)", y, d)?;
+    }
+    if let Some(o) = x_out {
+        apart(op, "x_out (against x)", o, x)?;
+        apart(op, "x_out (against y)", o, y)?;
+        if let Some(d) = delta {
+            apart(op, "x_out (against delta)", o, d)?;
+        }
+    }
+    Ok(())
+}
+
 const F32: Option<DType> = Some(DType::F32);
 const U32: Option<DType> = Some(DType::U32);
 
@@ -141,7 +192,8 @@ impl<B> RmsNorm<'_, B> {
         let n = self.rows * self.dim;
         expect("rms_norm", "x", &self.x, n, F32)?;
         expect("rms_norm", "out", &self.out, n, F32)?;
-        expect("rms_norm", "w", &self.w, self.dim, None)
+        expect("rms_norm", "w", &self.w, self.dim, None)?;
+        in_place_or_apart("rms_norm", "out", &self.out, &self.x)
     }
 }
 
@@ -165,7 +217,15 @@ impl<B> AddRmsNorm<'_, B> {
         expect("add_rms_norm", "x", &self.x, n, F32)?;
         expect("add_rms_norm", "delta", &self.delta, n, F32)?;
         expect("add_rms_norm", "out", &self.out, n, F32)?;
-        expect("add_rms_norm", "w", &self.w, self.dim, None)
+        expect("add_rms_norm", "w", &self.w, self.dim, None)?;
+        in_place_or_apart("add_rms_norm", "out (against x)", &self.out, &self.x)?;
+        in_place_or_apart(
+            "add_rms_norm",
+            "out (against delta)",
+            &self.out,
+            &self.delta,
+        )?;
+        in_place_or_apart("add_rms_norm", "x (against delta)", &self.x, &self.delta)
     }
 }
 
@@ -446,7 +506,8 @@ impl<B> QkvRope<'_, B> {
 /// already hold its keys and values (positions ≥ cap are clamped to cap − 1); with `slots`,
 /// the rows of its own slot. Query head `h` reads KV head `h / (heads / kv_heads)`. Scores
 /// `q·k · scale` and the softmax are f32. `workspace`: f32 scratch for backends that split
-/// the sequence across blocks ([`Attention::workspace_len`]); CPU ignores it.
+/// the sequence across blocks ([`Attention::workspace_len`]); CPU ignores it. `out` shares no
+/// byte with `q` or the caches.
 ///
 /// With one row (a decode step), `pos`, `slots` and the cache rows before `pos` must not be
 /// written by the op queued just before this one (under programmatic dependent launch the
@@ -512,12 +573,7 @@ impl<B> Attention<'_, B> {
         if let Some(g) = &self.gate {
             expect("attention", "gate", g, self.rows * h * d, F32)?;
             // Every backend writes out as it reads the gate: out would overwrite it first.
-            if g.overlaps(&self.out) {
-                return Err(bad(
-                    "attention",
-                    "out (against the gate) overlaps an input it is computed from",
-                ));
-            }
+            apart("attention", "out (against the gate)", &self.out, g)?;
         }
         expect(
             "attention",
@@ -534,6 +590,18 @@ impl<B> Attention<'_, B> {
             Some(self.k_cache.dtype),
         )?;
         expect("attention", "pos", &self.pos, self.rows, U32)?;
+        for (what, input) in [
+            ("q", &self.q),
+            ("k_cache", &self.k_cache),
+            ("v_cache", &self.v_cache),
+        ] {
+            apart(
+                "attention",
+                &format!("out (against {what})"),
+                &self.out,
+                input,
+            )?;
+        }
         if let Some(ws) = &self.workspace {
             let need = Self::workspace_len(self.rows, h, d, self.cap());
             if ws.dtype != DType::F32 || ws.len < need {
@@ -574,7 +642,9 @@ pub struct Add<'a, B> {
 fn same3<B>(op: &str, a: &View<'_, B>, b: &View<'_, B>, out: &View<'_, B>) -> Result<()> {
     expect(op, "the first input", a, a.len, F32)?;
     expect(op, "the second input", b, a.len, F32)?;
-    expect(op, "out", out, a.len, F32)
+    expect(op, "out", out, a.len, F32)?;
+    in_place_or_apart(op, "out (against the first input)", out, a)?;
+    in_place_or_apart(op, "out (against the second input)", out, b)
 }
 
 impl<B> SiluMul<'_, B> {
@@ -642,7 +712,7 @@ impl Epilogue {
 /// `bias`: [n] f32, `y`: [m, n] f32, accumulated in f32; `x` and `f` as the [`Prologue`]
 /// says, `g` and `y`'s width as the [`Epilogue`] says (at most one of the two is SiluMul).
 /// `m = 1` is the decode matrix–vector product; prefill uses `m` = prompt tokens. `y` must not
-/// overlap `x`.
+/// overlap `x` or `w`.
 pub struct Matmul<'a, B> {
     pub x: View<'a, B>,
     pub w: View<'a, B>,
@@ -683,7 +753,7 @@ impl<B> Matmul<'_, B> {
         if let Some(b) = &self.bias {
             expect("matmul", "bias", b, self.n, F32)?;
         }
-        Ok(())
+        product_apart("matmul", (&self.x, &self.w, &self.y), None, None)
     }
 }
 
@@ -724,7 +794,8 @@ impl<B> AddNormMatmul<'_, B> {
         if let Some(b) = &self.bias {
             expect(op, "bias", b, self.n, F32)?;
         }
-        Ok(())
+        let delta = Some(&self.delta);
+        product_apart(op, (&self.x, &self.w, &self.y), delta, self.x_out.as_ref())
     }
 }
 
@@ -837,7 +908,24 @@ impl<'a, B> QkvMatmul<'a, B> {
             ));
         }
         r.validate()?;
-        self.product().validate()
+        self.product().validate()?;
+        // The GPU writes q and the cache rows in the product's epilogue, as others read x.
+        for (what, out) in [
+            ("q", &r.q),
+            ("k_cache", &r.k_cache),
+            ("v_cache", &r.v_cache),
+        ] {
+            apart("qkv_matmul", &format!("{what} (against x)"), out, &self.x)?;
+            if let Some(s) = &self.seam {
+                apart(
+                    "qkv_matmul",
+                    &format!("{what} (against delta)"),
+                    out,
+                    &s.delta,
+                )?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -845,7 +933,7 @@ impl<'a, B> QkvMatmul<'a, B> {
 /// `w[row][perm[j]] += (q[row][j] − z[row][j / group]) · s[row][j / group]` over the `kq =
 /// groups · group` stored inputs j, accumulated in f32. `x`, `f`, `y`, `m` as in [`Matmul`]
 /// (`x`: [m, k] or, with [`Prologue::SiluMul`], [m, 2k]; `y`: [m, n] f32, or [m, n/2] with
-/// [`Epilogue::SiluMul`], not overlapping x);
+/// [`Epilogue::SiluMul`], not overlapping x or qweight);
 /// `qweight`: [n, kq/8] u32; `scales`: [n, groups] f16; `zeros`: [n, ⌈groups/8⌉] u32;
 /// `perm`: [kq] u32, each < k (None: kq = k and stored input j is input j): a contract of the
 /// caller, since the values live in device memory where `validate` cannot read them (the CPU
@@ -920,7 +1008,9 @@ impl<B> MatmulInt4<'_, B> {
             &self.y,
             self.m * self.epilogue.y_width(self.n),
             F32,
-        )
+        )?;
+        apart(op, "y (against x)", &self.y, &self.x)?;
+        apart(op, "y (against qweight)", &self.y, &self.qweight)
     }
 }
 
@@ -1042,9 +1132,67 @@ pub fn sample_uniform(seed: u64, position: u32) -> f32 {
 mod tests {
     use super::*;
 
-    struct B;
+    struct B(#[allow(dead_code)] u8);
+    /// A view of its own buffer (leaked: a test's few bytes), so that views overlap only
+    /// where a test makes them share one ([`at`]).
     fn v(len: usize, dtype: DType) -> View<'static, B> {
-        View::new(&B, 0, len, dtype)
+        View::new(Box::leak(Box::new(B(0))), 0, len, dtype)
+    }
+    /// `len` f32 at element `start` of `buf`.
+    fn at(buf: &'static B, start: usize, len: usize) -> View<'static, B> {
+        View::new(buf, 4 * start, len, DType::F32)
+    }
+
+    /// Aliasing is checked once, here, for every backend: in-place ops take their input
+    /// exactly or not at all, products and attention no overlap of an output with an input.
+    #[test]
+    fn outputs_may_alias_inputs_only_where_the_op_says() {
+        let buf: &'static B = Box::leak(Box::new(B(0)));
+        let add = |out| Add {
+            a: at(buf, 0, 8),
+            b: at(buf, 8, 8),
+            out,
+        };
+        add(at(buf, 0, 8)).validate().unwrap();
+        add(at(buf, 8, 8)).validate().unwrap();
+        add(at(buf, 16, 8)).validate().unwrap();
+        let e = add(at(buf, 4, 8)).validate().unwrap_err().to_string();
+        assert!(
+            e.contains("add: out (against the first input) partly overlaps"),
+            "{e}"
+        );
+        let norm = |x, delta, out| AddRmsNorm {
+            x,
+            delta,
+            w: v(4, DType::F32),
+            out,
+            rows: 2,
+            dim: 4,
+            eps: 1e-6,
+        };
+        norm(at(buf, 0, 8), at(buf, 8, 8), at(buf, 8, 8))
+            .validate()
+            .unwrap();
+        assert!(norm(at(buf, 0, 8), at(buf, 4, 8), at(buf, 16, 8))
+            .validate()
+            .is_err());
+        let mm = |y| Matmul {
+            x: at(buf, 0, 8),
+            w: v(12, DType::BF16),
+            bias: None,
+            y,
+            m: 2,
+            k: 4,
+            n: 3,
+            prologue: Prologue::None,
+            epilogue: Epilogue::None,
+        };
+        mm(at(buf, 8, 6)).validate().unwrap();
+        let e = mm(at(buf, 7, 6)).validate().unwrap_err().to_string();
+        assert!(e.contains("matmul: y (against x) overlaps an input"), "{e}");
+        // Even exactly x: every wave reads all of x while others write y.
+        let e = mm(at(buf, 0, 6)).validate().unwrap_err().to_string();
+        assert!(e.contains("overlaps an input"), "{e}");
     }
 
     #[test]

@@ -31,11 +31,6 @@ pub(crate) fn attention(dev: &CpuDevice, a: AttnArgs<'_, '_>) -> Result<()> {
             "attention: k and v caches differ in dtype".into(),
         ));
     }
-    if a.q.overlaps(a.out) || a.k_cache.overlaps(a.out) || a.v_cache.overlaps(a.out) {
-        return Err(KernelError::Invalid(
-            "attention: out overlaps an input".into(),
-        ));
-    }
     let group = heads / kvh;
     let seq = a.pos0 + rows;
     let kv_row = kvh * hd;

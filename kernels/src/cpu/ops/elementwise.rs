@@ -2,7 +2,7 @@
 //! `silu(gate) · up`) and `SigmoidMul` (Qwen3.5's attention output gate, `x · σ(gate)`).
 
 use super::super::{par_ranges, CpuBuf, CpuDevice};
-use super::{f32_ptr, same_or_disjoint};
+use super::f32_ptr;
 use crate::{with_dtype, DType, Device, KernelError, Result, View};
 
 /// Elements per thread below which threads do not pay: the figure `reduce.rs` uses for the
@@ -39,8 +39,6 @@ fn binary(
             a.len, b.len
         )));
     }
-    same_or_disjoint(a, out, what)?;
-    same_or_disjoint(b, out, what)?;
     let (pa, pb, po) = (
         f32_ptr(a, n, what)?,
         f32_ptr(b, n, what)?,

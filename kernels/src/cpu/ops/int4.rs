@@ -16,11 +16,6 @@ use crate::{KernelError, Result};
 
 pub(crate) fn matmul_int4(dev: &CpuDevice, a: &MatmulInt4<'_, CpuBuf>) -> Result<()> {
     let (m, k, n, kq, group, groups) = (a.m, a.k, a.n, a.kq(), a.group, a.groups);
-    if a.x.overlaps(&a.y) || a.qweight.overlaps(&a.y) {
-        return Err(KernelError::Invalid(
-            "matmul_int4: y overlaps x or the weights".into(),
-        ));
-    }
     if a.epilogue == Epilogue::SiluMul {
         return silu_mul_epilogue(dev, m, n, &a.y, |full| {
             let plain = MatmulInt4 {

@@ -47,22 +47,6 @@ pub(crate) fn typed_ptr<T>(v: &View<'_, CpuBuf>, len: usize, what: &str) -> Resu
     Ok(SendPtr(v.buf.typed::<T>(v.offset, len, v.dtype)?))
 }
 
-/// An in-place op's output must be exactly its input or not touch it at all.
-pub(crate) fn same_or_disjoint(
-    a: &View<'_, CpuBuf>,
-    b: &View<'_, CpuBuf>,
-    what: &str,
-) -> Result<()> {
-    let same = std::ptr::eq(a.buf, b.buf) && a.offset == b.offset;
-    if same || !a.overlaps(b) {
-        Ok(())
-    } else {
-        Err(KernelError::Invalid(format!(
-            "{what}: output partly overlaps an input"
-        )))
-    }
-}
-
 /// Accumulator lanes of [`dot`]: 16 f32 = two AVX2 or four SSE registers.
 pub(crate) const DOT_LANES: usize = 16;
 
