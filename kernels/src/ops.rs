@@ -37,16 +37,21 @@ fn expect<B>(
     }
 }
 
-/// `out` must share no byte with `input`, which the op reads while its outputs are being
-/// written (`what`: the pair, for the error).
-fn apart<B>(op: &str, what: &str, out: &View<'_, B>, input: &View<'_, B>) -> Result<()> {
-    if out.overlaps(input) {
-        return Err(bad(
+/// Output `name` must share no byte with any of `inputs` (named), which the op reads while
+/// its outputs are being written.
+fn apart<B>(
+    op: &str,
+    name: &str,
+    out: &View<'_, B>,
+    inputs: &[(&str, &View<'_, B>)],
+) -> Result<()> {
+    match inputs.iter().find(|(_, v)| out.overlaps(v)) {
+        Some((what, _)) => Err(bad(
             op,
-            format!("{what} overlaps an input it is computed from"),
-        ));
+            format!("{name} (against {what}) overlaps an input it is computed from"),
+        )),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// An in-place op's output: exactly `input` (every backend reads an element before the same
@@ -73,19 +78,13 @@ fn product_apart<B>(
     delta: Option<&View<'_, B>>,
     x_out: Option<&View<'_, B>>,
 ) -> Result<()> {
-    apart(op, "y (against x)", y, x)?;
-    apart(op, "y (against w)", y, w)?;
-    if let Some(d) = delta {
-        apart(op, "y (against delta)", y, d)?;
+    let mut reads = vec![("x", x)];
+    reads.extend(delta.map(|d| ("delta", d)));
+    apart(op, "y", y, &[reads.as_slice(), &[("w", w)]].concat())?;
+    match x_out {
+        Some(o) => apart(op, "x_out", o, &[reads.as_slice(), &[("y", y)]].concat()),
+        None => Ok(()),
     }
-    if let Some(o) = x_out {
-        apart(op, "x_out (against x)", o, x)?;
-        apart(op, "x_out (against y)", o, y)?;
-        if let Some(d) = delta {
-            apart(op, "x_out (against delta)", o, d)?;
-        }
-    }
-    Ok(())
 }
 
 const F32: Option<DType> = Some(DType::F32);
@@ -330,7 +329,17 @@ impl<B> CausalConv<'_, B> {
             &self.state,
             c * (self.kernel - 1),
             F32,
-        )
+        )?;
+        // out is written row by row while later rows of x are still to be read, and the
+        // window after the last row as the state is read.
+        let (x, w) = (("x", &self.x), ("w", &self.w));
+        apart(
+            "causal_conv",
+            "out",
+            &self.out,
+            &[x, w, ("state", &self.state)],
+        )?;
+        apart("causal_conv", "state", &self.state, &[x, w])
     }
 }
 
@@ -358,7 +367,10 @@ impl<B> GatedRmsNorm<'_, B> {
         expect("gated_rms_norm", "x", &self.x, n, F32)?;
         expect("gated_rms_norm", "z", &self.z, n, F32)?;
         expect("gated_rms_norm", "out", &self.out, n, F32)?;
-        expect("gated_rms_norm", "w", &self.w, self.dim, F32)
+        expect("gated_rms_norm", "w", &self.w, self.dim, F32)?;
+        in_place_or_apart("gated_rms_norm", "out (against x)", &self.out, &self.x)?;
+        in_place_or_apart("gated_rms_norm", "out (against z)", &self.out, &self.z)?;
+        apart("gated_rms_norm", "out", &self.out, &[("w", &self.w)])
     }
 }
 
@@ -381,7 +393,21 @@ impl<B> GatedDelta<'_, B> {
         expect("gated_delta", "a_log", &self.a_log, vh, F32)?;
         expect("gated_delta", "dt_bias", &self.dt_bias, vh, F32)?;
         expect("gated_delta", "state", &self.state, vh * dk * dv, F32)?;
-        expect("gated_delta", "out", &self.out, self.rows * vh * dv, F32)
+        expect("gated_delta", "out", &self.out, self.rows * vh * dv, F32)?;
+        let reads = [
+            ("qkv", &self.qkv),
+            ("b", &self.b),
+            ("a", &self.a),
+            ("a_log", &self.a_log),
+            ("dt_bias", &self.dt_bias),
+        ];
+        apart("gated_delta", "state", &self.state, &reads)?;
+        apart(
+            "gated_delta",
+            "out",
+            &self.out,
+            &[&reads[..], &[("state", &self.state)]].concat(),
+        )
     }
 }
 
@@ -573,7 +599,7 @@ impl<B> Attention<'_, B> {
         if let Some(g) = &self.gate {
             expect("attention", "gate", g, self.rows * h * d, F32)?;
             // Every backend writes out as it reads the gate: out would overwrite it first.
-            apart("attention", "out (against the gate)", &self.out, g)?;
+            apart("attention", "out", &self.out, &[("the gate", g)])?;
         }
         expect(
             "attention",
@@ -590,18 +616,12 @@ impl<B> Attention<'_, B> {
             Some(self.k_cache.dtype),
         )?;
         expect("attention", "pos", &self.pos, self.rows, U32)?;
-        for (what, input) in [
+        let reads = [
             ("q", &self.q),
             ("k_cache", &self.k_cache),
             ("v_cache", &self.v_cache),
-        ] {
-            apart(
-                "attention",
-                &format!("out (against {what})"),
-                &self.out,
-                input,
-            )?;
-        }
+        ];
+        apart("attention", "out", &self.out, &reads)?;
         if let Some(ws) = &self.workspace {
             let need = Self::workspace_len(self.rows, h, d, self.cap());
             if ws.dtype != DType::F32 || ws.len < need {
@@ -910,20 +930,14 @@ impl<'a, B> QkvMatmul<'a, B> {
         r.validate()?;
         self.product().validate()?;
         // The GPU writes q and the cache rows in the product's epilogue, as others read x.
-        for (what, out) in [
+        let mut reads = vec![("x", &self.x)];
+        reads.extend(self.seam.as_ref().map(|s| ("delta", &s.delta)));
+        for (name, out) in [
             ("q", &r.q),
             ("k_cache", &r.k_cache),
             ("v_cache", &r.v_cache),
         ] {
-            apart("qkv_matmul", &format!("{what} (against x)"), out, &self.x)?;
-            if let Some(s) = &self.seam {
-                apart(
-                    "qkv_matmul",
-                    &format!("{what} (against delta)"),
-                    out,
-                    &s.delta,
-                )?;
-            }
+            apart("qkv_matmul", name, out, &reads)?;
         }
         Ok(())
     }
@@ -1009,8 +1023,12 @@ impl<B> MatmulInt4<'_, B> {
             self.m * self.epilogue.y_width(self.n),
             F32,
         )?;
-        apart(op, "y (against x)", &self.y, &self.x)?;
-        apart(op, "y (against qweight)", &self.y, &self.qweight)
+        apart(
+            op,
+            "y",
+            &self.y,
+            &[("x", &self.x), ("qweight", &self.qweight)],
+        )
     }
 }
 

@@ -216,28 +216,6 @@ fn addr(v: &View<'_, CudaBuf>) -> Result<u64> {
     Ok(a)
 }
 
-/// Whether two views are the same bytes.
-fn same_view(a: &View<'_, CudaBuf>, b: &View<'_, CudaBuf>) -> bool {
-    std::ptr::eq(a.buf, b.buf) && a.offset == b.offset && a.bytes() == b.bytes()
-}
-
-/// `out` must not share bytes with `input`, or (`same_ok`) be exactly it: the kernels read an
-/// element before the same thread writes it, which only an exact alias keeps intact.
-pub(super) fn check_alias(
-    op: &str,
-    out: &View<'_, CudaBuf>,
-    input: &View<'_, CudaBuf>,
-    what: &str,
-    same_ok: bool,
-) -> Result<()> {
-    if !out.overlaps(input) || (same_ok && same_view(out, input)) {
-        return Ok(());
-    }
-    Err(KernelError::Invalid(format!(
-        "{op}: {what} overlaps an input it is computed from"
-    )))
-}
-
 pub(super) fn to_u32(what: &str, v: usize) -> Result<u32> {
     u32::try_from(v).map_err(|_| KernelError::Invalid(format!("{what} = {v} does not fit a u32")))
 }
