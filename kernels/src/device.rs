@@ -378,12 +378,18 @@ pub trait Device: Send + Sync + 'static {
     /// Runs (or queues, on a GPU stream) one op after validating its arguments once.
     fn run(&self, op: &Op<'_, Self::Buf>) -> Result<()> {
         op.validate()?;
-        self.launch(op)
+        // SAFETY: validated just above.
+        unsafe { self.launch(op) }
     }
 
     /// Runs (or queues) one op whose arguments passed [`Op::validate`]; backends still
     /// bounds-check each view against its buffer. Call [`Device::run`] instead.
-    fn launch(&self, op: &Op<'_, Self::Buf>) -> Result<()>;
+    ///
+    /// # Safety
+    /// `op.validate()` must have passed: backends rely on it for what no buffer can check,
+    /// above all which outputs may share bytes with which inputs (the CPU's threads would
+    /// race on an overlap that validate() refuses).
+    unsafe fn launch(&self, op: &Op<'_, Self::Buf>) -> Result<()>;
 
     /// Waits until all queued work is done.
     fn sync(&self) -> Result<()>;

@@ -71,16 +71,19 @@ fn in_place_or_apart<B>(
 
 /// A product's outputs against its inputs ([`Matmul`], [`AddNormMatmul`], and through them
 /// [`QkvMatmul`]): every wave reads all of `x` (and `delta`) while others write, so `y` shares
-/// no byte with `x`, `w` or `delta`, and `x_out` none with `x`, `delta` or `y`.
+/// no byte with `x`, `w`, `bias` or `delta`, and `x_out` none with `x`, `delta` or `y`.
 fn product_apart<B>(
     op: &str,
-    (x, w, y): (&View<'_, B>, &View<'_, B>, &View<'_, B>),
+    [x, w, y]: [&View<'_, B>; 3],
+    bias: Option<&View<'_, B>>,
     delta: Option<&View<'_, B>>,
     x_out: Option<&View<'_, B>>,
 ) -> Result<()> {
     let mut reads = vec![("x", x)];
     reads.extend(delta.map(|d| ("delta", d)));
-    apart(op, "y", y, &[reads.as_slice(), &[("w", w)]].concat())?;
+    let mut weights = vec![("w", w)];
+    weights.extend(bias.map(|b| ("bias", b)));
+    apart(op, "y", y, &[reads.as_slice(), &weights].concat())?;
     match x_out {
         Some(o) => apart(op, "x_out", o, &[reads.as_slice(), &[("y", y)]].concat()),
         None => Ok(()),
@@ -192,7 +195,8 @@ impl<B> RmsNorm<'_, B> {
         expect("rms_norm", "x", &self.x, n, F32)?;
         expect("rms_norm", "out", &self.out, n, F32)?;
         expect("rms_norm", "w", &self.w, self.dim, None)?;
-        in_place_or_apart("rms_norm", "out", &self.out, &self.x)
+        in_place_or_apart("rms_norm", "out", &self.out, &self.x)?;
+        apart("rms_norm", "out", &self.out, &[("w", &self.w)])
     }
 }
 
@@ -224,7 +228,9 @@ impl<B> AddRmsNorm<'_, B> {
             &self.out,
             &self.delta,
         )?;
-        in_place_or_apart("add_rms_norm", "x (against delta)", &self.x, &self.delta)
+        in_place_or_apart("add_rms_norm", "x (against delta)", &self.x, &self.delta)?;
+        apart("add_rms_norm", "out", &self.out, &[("w", &self.w)])?;
+        apart("add_rms_norm", "x", &self.x, &[("w", &self.w)])
     }
 }
 
@@ -773,7 +779,8 @@ impl<B> Matmul<'_, B> {
         if let Some(b) = &self.bias {
             expect("matmul", "bias", b, self.n, F32)?;
         }
-        product_apart("matmul", (&self.x, &self.w, &self.y), None, None)
+        let xwy = [&self.x, &self.w, &self.y];
+        product_apart("matmul", xwy, self.bias.as_ref(), None, None)
     }
 }
 
@@ -815,7 +822,8 @@ impl<B> AddNormMatmul<'_, B> {
             expect(op, "bias", b, self.n, F32)?;
         }
         let delta = Some(&self.delta);
-        product_apart(op, (&self.x, &self.w, &self.y), delta, self.x_out.as_ref())
+        let xwy = [&self.x, &self.w, &self.y];
+        product_apart(op, xwy, self.bias.as_ref(), delta, self.x_out.as_ref())
     }
 }
 

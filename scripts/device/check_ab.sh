@@ -72,10 +72,11 @@ run() {  # run BIN_INDEX TAG MODEL DECODE_FLAGS...
         || { fail "bin $i $tag"; tail -3 "$out/$tag-$i.err"; return; }
     tprun_decode_line "$out/$tag-$i.json" "$out/copy.txt" "$tag bin $i"
 }
-same() {  # same TAG BINS...: every binary's tokens are NEW's
+same() {  # same TAG BINS...: every binary's tokens are NEW's (runs that failed: said above)
     local tag=$1 i; shift
+    [ -s "$out/$tag-0.json" ] || return 0
     for i in "$@"; do
-        [ "$i" = 0 ] && continue
+        [ "$i" = 0 ] || [ ! -s "$out/$tag-$i.json" ] && continue
         python3 -c "import json,sys;a,b=(json.load(open(f'$out/$tag-{i}.json'))['token_ids'] for i in (0,$i));print('$tag: bin $i gives the same tokens as bin 0:',a==b);sys.exit(0 if a==b else 1)" \
             || fail "$tag tokens differ (bin $i)"
     done
@@ -84,6 +85,9 @@ echo "== decode TP=1, graph + PDL: Llama-3-8B (256 after 128), 27B GPTQ (128 tok
 all=$(seq 0 $(( ${#bins[@]} - 1 )))
 pair=$(seq 0 $(( ${#bins[@]} > 1 ? 1 : 0 )))  # NEW and BASE, or NEW alone
 l8b_bins=${L8B_BINS:-$([ "${L8B_MORE:-1}" = 1 ] && echo $all || echo $pair)}
+for i in $l8b_bins; do
+    [ "$i" -lt ${#bins[@]} ] 2>/dev/null || { echo "check_ab.sh: L8B_BINS names bin $i of ${#bins[@]}"; exit 2; }
+done
 if [ $llama = 1 ]; then
     wait $sl || { fail "synth llama"; tail -3 "$out/synth-l.err"; }
     echo "llama synth done after $(( $(date +%s) - t0 )) s"
@@ -91,7 +95,7 @@ if [ $llama = 1 ]; then
         room 40 "llama round $r" || break
         for i in $l8b_bins; do run $i "l8b-r$r" $l --prompt-file /tmp/prompt.txt --max-new-tokens 256; done
     done
-    [ -f "$out/l8b-r1-1.json" ] && [ -f "$out/l8b-r1-0.json" ] && same l8b-r1 $l8b_bins
+    same l8b-r1 $l8b_bins
 fi
 if [ "${BENCH:-0}" != 0 ] && room 120 "bench gemv"; then
     echo "== bench gemv --quant int4 (NEW)"
@@ -110,7 +114,7 @@ for r in $(seq "${ROUNDS:-1}"); do
     room $(( 55 * $(echo $q35_bins | wc -w) )) "27b round $r" || break
     for i in $q35_bins; do run $i "q35-r$r" $q --prompt "Once upon a time, in a land far away" --max-new-tokens 128; done
 done
-[ -f "$out/q35-r1-1.json" ] && same q35-r1 $q35_bins
+same q35-r1 $q35_bins
 # The peer last, so that a short call keeps both of tprun's benchmarks.
 if [ $llama = 1 ] && [ "${PEER:-0}" = 1 ] && room 200 peer; then
     echo "== peer: transformers static cache + torch.compile (same checkpoint as the Llama rounds, 256 after 128)"

@@ -102,7 +102,7 @@ impl Device for CpuDevice {
         Ok(())
     }
 
-    fn launch(&self, op: &Op<'_, CpuBuf>) -> Result<()> {
+    unsafe fn launch(&self, op: &Op<'_, CpuBuf>) -> Result<()> {
         match op {
             Op::Copy(a) => reduce::copy(self, &a.src, &a.dst),
             Op::ReduceSum(a) => reduce::reduce_sum(self, a.inputs, &a.out),
@@ -133,7 +133,8 @@ impl Device for CpuDevice {
             Op::AddNormMatmul(a) => ops::decode::add_norm_matmul(self, a),
             // The two steps apart, through the op's scratch (ops::QkvMatmul).
             Op::QkvMatmul(a) => {
-                self.launch(&a.product())?;
+                // SAFETY: QkvMatmul::validate() validated the product.
+                unsafe { self.launch(&a.product())? };
                 ops::decode::qkv_rope(self, &a.rope)
             }
             Op::MatmulInt4(a) => ops::int4::matmul_int4(self, a),

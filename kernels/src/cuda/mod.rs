@@ -605,7 +605,7 @@ impl Device for CudaDevice {
         self.sync()
     }
 
-    fn launch(&self, op: &Op<'_, CudaBuf>) -> Result<()> {
+    unsafe fn launch(&self, op: &Op<'_, CudaBuf>) -> Result<()> {
         self.bind()?;
         let mut prof = self.profiler.lock().map_err(|_| poisoned("profiler"))?;
         match prof.as_mut() {

@@ -51,8 +51,9 @@ pub(crate) fn attention(dev: &CpuDevice, a: AttnArgs<'_, '_>) -> Result<()> {
                 let kh = h / group;
                 let len = pos0 + row + 1;
                 // SAFETY: every index below is < seq·kv_row (caches) or rows·heads·hd (q,
-                // out), all checked above; `out` overlaps nothing else and this item's head
-                // row is written by this thread only.
+                // out), all checked above; `out` overlaps nothing else (Attention::validate(),
+                // which Device::launch requires) and this item's head row is written by this
+                // thread only.
                 unsafe {
                     let qv = std::slice::from_raw_parts(q.get().add(item * hd), hd);
                     let mut max = f32::NEG_INFINITY;

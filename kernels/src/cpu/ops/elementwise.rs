@@ -47,8 +47,9 @@ fn binary(
     par_ranges(dev.threads(), n, MIN_PER_THREAD, |r| {
         for i in r {
             // SAFETY: i < n for all three views (checked above); `out` equals an input
-            // element-for-element or is disjoint from it, and each element is read before it
-            // is written; threads own disjoint ranges.
+            // element-for-element or is disjoint from it (the ops' validate(), which
+            // Device::launch requires), and each element is read before it is written;
+            // threads own disjoint ranges.
             unsafe { *po.get().add(i) = f(*pa.get().add(i), *pb.get().add(i)) };
         }
     });

@@ -95,7 +95,8 @@ pub(crate) fn matmul_int4(dev: &CpuDevice, a: &MatmulInt4<'_, CpuBuf>) -> Result
             }
             for t in 0..m {
                 let v = dot(&xs[t * kq..(t + 1) * kq], &wf);
-                // SAFETY: t·n + row < m·n; row is this thread's, y overlaps no input.
+                // SAFETY: t·n + row < m·n; row is this thread's; y overlaps no input
+                // (MatmulInt4::validate(), which Device::launch requires).
                 unsafe { *py.get().add(t * n + row) = v };
             }
         }
