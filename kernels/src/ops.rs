@@ -400,6 +400,8 @@ impl<B> GatedDelta<'_, B> {
         expect("gated_delta", "dt_bias", &self.dt_bias, vh, F32)?;
         expect("gated_delta", "state", &self.state, vh * dk * dv, F32)?;
         expect("gated_delta", "out", &self.out, self.rows * vh * dv, F32)?;
+        // The state is read once before any row and written once after the last; out is
+        // written row by row while later rows' inputs are read.
         let reads = [
             ("qkv", &self.qkv),
             ("b", &self.b),

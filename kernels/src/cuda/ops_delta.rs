@@ -197,8 +197,6 @@ fn gated_delta(l: &Launcher<'_>, a: &ops::GatedDelta<'_, CudaBuf>) -> Result<()>
             ),
         });
     }
-    // The state is read once before any row and written once after the last; out is written
-    // row by row while later rows' inputs are read: neither may share bytes with an input.
     // The twin's 1/√dk, rounded to f32 the same way.
     let scale = 1.0 / (a.dk as f32).sqrt();
     let mut p = DeltaParams {
