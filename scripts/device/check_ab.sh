@@ -26,6 +26,8 @@
 # s in all and left no room for the peer (~200 s): with PEER=1, time two binaries.
 # BASE "-" times NEW alone, no MORE binaries then: a session's figures (PEER=1 BENCH=1 ROUNDS=1
 # took 244 s on an H100 on 2026-12-07, the synths ~145 s each that time).
+# CHECKS=0 skips NEW's checks (selftest, qwen35.sh check, decode.sh stories): the figures of a
+# tree already checked on a GPU, when the call is short.
 # DEADLINE (epoch seconds): sections that no longer fit are skipped and say so. NO_LLAMA=1 skips
 # the Llama-3-8B synth and rounds (and the peer), for a change that only the 27B can show.
 set -uo pipefail
@@ -50,18 +52,20 @@ if [ $llama = 1 ]; then
     tprun_synth_l8b "${bins[0]}" $l 2> "$out/synth-l.err" &
     sl=$!
 fi
-echo "== selftest (NEW)"
-timeout 300 "${bins[0]}" selftest > "$out/selftest.txt" 2>&1 || fail selftest
-grep -E "FAIL|check\(s\)|case\(s\)" "$out/selftest.txt" | tail -12
-if room 60 "qwen35.sh check"; then
-    echo "== qwen35.sh check (NEW)"
-    OUT="$out/q35" timeout 240 "$root/scripts/device/qwen35.sh" check "${bins[0]}" 2>&1 | tail -10
-    [ "${PIPESTATUS[0]}" -eq 0 ] || fail "qwen35.sh check"
-fi
-if room 50 "decode.sh stories"; then
-    echo "== decode.sh stories (NEW)"
-    OUT="$out/stories" timeout 240 "$root/scripts/device/decode.sh" stories "${bins[0]}" "$stories" 2>&1 | grep -v "^ *$" | tail -14
-    [ "${PIPESTATUS[0]}" -eq 0 ] || fail "decode.sh stories"
+if [ "${CHECKS:-1}" = 1 ]; then
+    echo "== selftest (NEW)"
+    timeout 300 "${bins[0]}" selftest > "$out/selftest.txt" 2>&1 || fail selftest
+    grep -E "FAIL|check\(s\)|case\(s\)" "$out/selftest.txt" | tail -12
+    if room 60 "qwen35.sh check"; then
+        echo "== qwen35.sh check (NEW)"
+        OUT="$out/q35" timeout 240 "$root/scripts/device/qwen35.sh" check "${bins[0]}" 2>&1 | tail -10
+        [ "${PIPESTATUS[0]}" -eq 0 ] || fail "qwen35.sh check"
+    fi
+    if room 50 "decode.sh stories"; then
+        echo "== decode.sh stories (NEW)"
+        OUT="$out/stories" timeout 240 "$root/scripts/device/decode.sh" stories "${bins[0]}" "$stories" 2>&1 | grep -v "^ *$" | tail -14
+        [ "${PIPESTATUS[0]}" -eq 0 ] || fail "decode.sh stories"
+    fi
 fi
 python3 "$root/scripts/device/copy_bw.py" | tee "$out/copy.txt" || fail "copy bandwidth"
 tprun_prompt128 /tmp/prompt.txt
