@@ -101,16 +101,13 @@ if [ $llama = 1 ]; then
     done
     same l8b-r1 $l8b_bins
 fi
-if [ "${BENCH:-0}" != 0 ] && room 120 "bench gemv"; then
-    echo "== bench gemv --quant int4 (NEW)"
-    timeout 150 "${bins[0]}" --backend cuda --timeout 180 bench gemv --quant int4 > "$out/gemv.txt" 2>&1 || fail "bench gemv"
-    cat "$out/gemv.txt"
-    if [ "${BENCH}" = 2 ] && [ ${#bins[@]} -gt 1 ] && room 150 "bench gemv (BASE)"; then
-        echo "== bench gemv --quant int4 (BASE)"
-        timeout 150 "${bins[1]}" --backend cuda --timeout 180 bench gemv --quant int4 > "$out/gemv-1.txt" 2>&1 || fail "bench gemv (BASE)"
-        cat "$out/gemv-1.txt"
-    fi
-fi
+bench_bins=$([ "${BENCH:-0}" = 2 ] && echo $pair || { [ "${BENCH:-0}" != 0 ] && echo 0; })
+for i in $bench_bins; do  # NEW, then BASE's with BENCH=2 (leaving the 27B round its time)
+    room $(( i == 0 ? 120 : 150 )) "bench gemv (bin $i)" || break
+    echo "== bench gemv --quant int4 (bin $i)"
+    timeout 150 "${bins[$i]}" --backend cuda --timeout 180 bench gemv --quant int4 > "$out/gemv-$i.txt" 2>&1 || fail "bench gemv (bin $i)"
+    cat "$out/gemv-$i.txt"
+done
 wait $sq || { fail "synth 27b"; tail -3 "$out/synth-q.err"; }
 echo "27b synth done after $(( $(date +%s) - t0 )) s"
 q35_bins=$([ "${Q35_ALL:-0}" = 1 ] && echo $all || echo $pair)
