@@ -26,6 +26,8 @@
 # s in all and left no room for the peer (~200 s): with PEER=1, time two binaries.
 # BASE "-" times NEW alone, no MORE binaries then: a session's figures (PEER=1 BENCH=1 ROUNDS=1
 # took 244 s on an H100 on 2026-12-07, the synths ~145 s each that time).
+# LAB=1 runs the int4 GEMV lab (`LAB_QUICK=1 q4lab.sh`: the production kernels beside the lab's
+# candidates, each checked and timed on this card) while the synths write, before the rounds.
 # CHECKS=0 skips NEW's checks (selftest, qwen35.sh check, decode.sh stories): the figures of a
 # tree already checked on a GPU, when the call is short.
 # DEADLINE (epoch seconds): sections that no longer fit are skipped and say so. NO_LLAMA=1 skips
@@ -66,6 +68,12 @@ if [ "${CHECKS:-1}" = 1 ]; then
         OUT="$out/stories" timeout 240 "$root/scripts/device/decode.sh" stories "${bins[0]}" "$stories" 2>&1 | grep -v "^ *$" | tail -14
         [ "${PIPESTATUS[0]}" -eq 0 ] || fail "decode.sh stories"
     fi
+fi
+# The int4 lab while the synths still write (the GPU is idle then when CHECKS=0).
+if [ "${LAB:-0}" = 1 ] && room 300 "q4lab"; then
+    echo "== q4lab (LAB_QUICK=1: production _k beside the lab's candidates, on this card)"
+    OUT="$out/lab" LAB_QUICK=1 timeout 200 "$root/scripts/device/q4lab.sh" > "$out/lab.log" 2>&1 || fail q4lab
+    grep -vE "^ *$" "$out/lab.log" | tail -45
 fi
 python3 "$root/scripts/device/copy_bw.py" | tee "$out/copy.txt" || fail "copy bandwidth"
 tprun_prompt128 /tmp/prompt.txt
