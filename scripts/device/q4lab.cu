@@ -546,13 +546,15 @@ struct TfDot {
         }
     }
     template <int RB>
+    static TP_DEV float dot(const Q4KBatch<RB>& cur, int r, const Acts& t, u32 zshift) {
+        const float d = q4_dot<4>(cur.w[r], t.a);
+        const float z = (float)((cur.z[r] >> zshift) & 0xfu);
+        return q4_scale(cur.s[r]) * fmaf(-z, t.sa, d);
+    }
+    template <int RB>
     static TP_DEV void dots(const Q4KBatch<RB>& cur, const Acts& t, u32 zshift, float (&v)[RB]) {
 #pragma unroll
-        for (int r = 0; r < RB; ++r) {
-            const float d = q4_dot<4>(cur.w[r], t.a);
-            const float z = (float)((cur.z[r] >> zshift) & 0xfu);
-            v[r] = q4_scale(cur.s[r]) * fmaf(-z, t.sa, d);
-        }
+        for (int r = 0; r < RB; ++r) v[r] = dot<RB>(cur, r, t, zshift);
     }
 };
 template <int RB, int D, int F, bool EPI, int MAXT, int MINB>

@@ -489,12 +489,16 @@ struct Q4KPlace {
     template <int RB, bool EPI>
     TP_DEV void load(u32 b, u32 n, Q4KBatch<RB>& bt) const {
 #pragma unroll
-        for (int r = 0; r < RB; ++r) {
-            const u64 row = q4k_row<RB, EPI>(b, r, n);
-            bt.w[r] = q4_ld<4>(wp + row * wstride);
-            bt.s[r] = sp[row * sstride];
-            bt.z[r] = zp[row * zstride];
-        }
+        for (int r = 0; r < RB; ++r) load_row<RB, EPI>(b, r, n, bt);
+    }
+
+    // Row r of batch b alone.
+    template <int RB, bool EPI>
+    TP_DEV void load_row(u32 b, int r, u32 n, Q4KBatch<RB>& bt) const {
+        const u64 row = q4k_row<RB, EPI>(b, r, n);
+        bt.w[r] = q4_ld<4>(wp + row * wstride);
+        bt.s[r] = sp[row * sstride];
+        bt.z[r] = zp[row * zstride];
     }
 };
 
@@ -577,9 +581,15 @@ struct Q4KDot {
     // applied before 2^-e, so that large activations meet a small scale before they could overflow.
     template <int RB>
     static TP_DEV void dots(const Q4KBatch<RB>& cur, const Acts& t, u32 zshift, float (&v)[RB]) {
-        constexpr int S = TP_Q4K_ODD_SHIFT;
 #pragma unroll
-        for (int r = 0; r < RB; ++r) {
+        for (int r = 0; r < RB; ++r) v[r] = dot<RB>(cur, r, t, zshift);
+    }
+
+    // Row r's alone (the body refills a row's registers as soon as its sum is taken).
+    template <int RB>
+    static TP_DEV float dot(const Q4KBatch<RB>& cur, int r, const Acts& t, u32 zshift) {
+        constexpr int S = TP_Q4K_ODD_SHIFT;
+        {
             int ae[3] = {0, 0, 0}, ao[3] = {0, 0, 0};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -596,7 +606,7 @@ struct Q4KDot {
             const u32 d = ((u32)ae[0] << 16) + ((u32)ae[1] << 8) + (u32)ae[2] +
                           ((u32)ao[0] << (16 - S)) + ((u32)ao[1] << (8 - S)) + (u32)(ao[2] >> S) -
                           z * t.sum;
-            v[r] = (q4_scale(cur.s[r]) * (float)(int)d) * t.unscale;
+            return (q4_scale(cur.s[r]) * (float)(int)d) * t.unscale;
         }
     }
 };
@@ -650,7 +660,7 @@ TP_DEV void gemv_q4_k_body(const GemvQ4Params& p) {
     if (b >= batches) return;  // the whole block: it reads and writes nothing
     Q4KBatch<RB> set[D];
 #pragma unroll
-    for (int d = 0; d < D - 1; ++d) {
+    for (int d = 0; d < D; ++d) {
         if (b + d * G < batches)
             at.load<RB, EPI>(b + d * G, p.n, set[d]);
     }
@@ -663,12 +673,15 @@ TP_DEV void gemv_q4_k_body(const GemvQ4Params& p) {
 #pragma unroll
         for (int d = 0; d < D; ++d) {
             if (!done) {
-                // The set computed one step ago takes the batch D − 1 ahead.
-                const u32 ahead = b + (D - 1) * G;
-                if (ahead < batches)
-                    at.load<RB, EPI>(ahead, p.n, set[(d + D - 1) % D]);
+                // Each row's registers take the same row of the batch D ahead as soon as its sum
+                // is taken, so those loads are in flight through the sums and the barrier.
+                const u32 ahead = b + D * G;
                 float v[RB];
-                Dot::template dots<RB>(set[d], acts, at.zshift, v);
+#pragma unroll
+                for (int r = 0; r < RB; ++r) {
+                    v[r] = Dot::template dot<RB>(set[d], r, acts, at.zshift);
+                    if (ahead < batches) at.load_row<RB, EPI>(ahead, r, p.n, set[d]);
+                }
                 const float sum = q4k_wave_sums<RB, L>(v, lane);
                 if (lane % (TP_WAVE >> L) == 0) red[i % (2 * F)][wave][lane / (TP_WAVE >> L)] = sum;
                 ++i;
@@ -692,8 +705,8 @@ TP_DEV void gemv_q4_k_body(const GemvQ4Params& p) {
     }
 }
 
-#define TP_GEMV_Q4K_KERNEL(name, RB, SILU, EPI, MAXT, D, F)                                   \
-    extern "C" __global__ void TP_LAUNCH_BOUNDS(MAXT, 1) name(const GemvQ4Params p) { \
+#define TP_GEMV_Q4K_KERNEL(name, RB, SILU, EPI, MAXT, MINB, D, F)                             \
+    extern "C" __global__ void TP_LAUNCH_BOUNDS(MAXT, MINB) name(const GemvQ4Params p) { \
         gemv_q4_k_body<RB, SILU, EPI, D, F>(p);                                        \
     }
 
@@ -708,12 +721,12 @@ TP_GEMV_Q4_KERNEL(gemv_q4, TP_Q4_ROWS, 1, TP_Q4_LOADS / TP_Q4_ROWS, false, false
 TP_GEMV_Q4_KERNEL(gemv_q4_silu, TP_Q4_ROWS_SILU, 1, TP_Q4_LOADS_SILU / TP_Q4_ROWS_SILU, true, false, 1)
 TP_GEMV_Q4_KERNEL(gemm_q4, TP_Q4_ROWS_TILE, TP_Q4_TOKENS, 1, false, false, 1)
 TP_GEMV_Q4_KERNEL(gemm_q4_silu, TP_Q4_ROWS_TILE, TP_Q4_TOKENS, 1, true, false, 1)
-TP_GEMV_Q4K_KERNEL(gemv_q4_k, TP_Q4K_ROWS, false, false, 256, TP_Q4K_SETS, TP_Q4K_FLUSH)
-TP_GEMV_Q4K_KERNEL(gemv_q4_k_silu, TP_Q4K_ROWS, true, false, 256, TP_Q4K_SETS, TP_Q4K_FLUSH)
-TP_GEMV_Q4K_KERNEL(gemv_q4_kb, TP_Q4K_ROWS_BIG, false, false, 640, TP_Q4K_SETS_BIG, TP_Q4K_FLUSH_BIG)
-TP_GEMV_Q4K_KERNEL(gemv_q4_kb_silu, TP_Q4K_ROWS_BIG, true, false, 640, TP_Q4K_SETS_BIG, TP_Q4K_FLUSH_BIG)
+TP_GEMV_Q4K_KERNEL(gemv_q4_k, TP_Q4K_ROWS, false, false, 256, 2, TP_Q4K_SETS, TP_Q4K_FLUSH)
+TP_GEMV_Q4K_KERNEL(gemv_q4_k_silu, TP_Q4K_ROWS, true, false, 256, 2, TP_Q4K_SETS, TP_Q4K_FLUSH)
+TP_GEMV_Q4K_KERNEL(gemv_q4_kb, TP_Q4K_ROWS_BIG, false, false, 640, 1, TP_Q4K_SETS_BIG, TP_Q4K_FLUSH_BIG)
+TP_GEMV_Q4K_KERNEL(gemv_q4_kb_silu, TP_Q4K_ROWS_BIG, true, false, 640, 1, TP_Q4K_SETS_BIG, TP_Q4K_FLUSH_BIG)
 // The SiluMul epilogue (gate|up writing silu(gate) · up), one per path.
 TP_GEMV_Q4_KERNEL(gemv_q4_e, TP_Q4_ROWS, 1, TP_Q4_LOADS / TP_Q4_ROWS, false, true, 2)
 TP_GEMV_Q4_KERNEL(gemm_q4_e, TP_Q4_ROWS_TILE, TP_Q4_TOKENS, 1, false, true, 1)
-TP_GEMV_Q4K_KERNEL(gemv_q4_k_e, TP_Q4K_ROWS, false, true, 256, TP_Q4K_SETS, TP_Q4K_FLUSH)
-TP_GEMV_Q4K_KERNEL(gemv_q4_kb_e, TP_Q4K_ROWS_BIG, false, true, 640, TP_Q4K_SETS_BIG, TP_Q4K_FLUSH_BIG)
+TP_GEMV_Q4K_KERNEL(gemv_q4_k_e, TP_Q4K_ROWS, false, true, 256, 2, TP_Q4K_SETS, TP_Q4K_FLUSH)
+TP_GEMV_Q4K_KERNEL(gemv_q4_kb_e, TP_Q4K_ROWS_BIG, false, true, 640, 1, TP_Q4K_SETS_BIG, TP_Q4K_FLUSH_BIG)
