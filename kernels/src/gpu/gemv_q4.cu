@@ -413,9 +413,9 @@ TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
 // given) in registers for the whole kernel, as exact signed-byte limbs for dp4a (Q4KDot), and its
 // group, scale and zero offsets are fixed; only row pointers move. The block walks batches of RB
 // rows (b, b + gridDim.x, ...: a persistent grid, sized by the launcher from the occupancy), per
-// row one 16-byte weight load, one scale and one zero word per thread, the loads of the next D − 1
-// batches issued before the current batch is computed (D register sets used in rotation, so nothing
-// is copied). Each wave reduces its RB partial sums with a transposed butterfly (log2 RB exchanges
+// row one 16-byte weight load, one scale and one zero word per thread, each row's registers
+// refilled with the batch D ahead as soon as its dot is taken (D register sets used in rotation, so
+// nothing is copied). Each wave reduces its RB partial sums with a transposed butterfly (log2 RB exchanges
 // of half the values, then plain xor steps: lane group r ends with row r), the waves' sums meet in
 // shared memory, and after one barrier per F batches lanes of wave 0 add them in wave order
 // (deterministic) and write y. Until 2026-12-06 the dot was f32 (a mask and an FFMA per nibble,
@@ -451,7 +451,7 @@ TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
 // barrier-free sums (lab TB) lost on both shapes.
 #define TP_Q4K_ROWS 4        // RB of gemv_q4_k* (blocks of at most 256 threads)
 #define TP_Q4K_ROWS_BIG 4    // RB of gemv_q4_kb* (up to 640 threads)
-#define TP_Q4K_SETS 2        // D of gemv_q4_k*: register sets of batch loads (D − 1 ahead)
+#define TP_Q4K_SETS 2        // D of gemv_q4_k*: register sets of batch loads (D ahead)
 #define TP_Q4K_SETS_BIG 2    // D of gemv_q4_kb*
 #define TP_Q4K_FLUSH 1       // F of gemv_q4_k*: batches per barrier
 #define TP_Q4K_FLUSH_BIG 8   // F of gemv_q4_kb*
@@ -636,7 +636,10 @@ TP_DEV float q4k_wave_sums(float (&v)[RB], u32 lane) {
 //
 // D register sets of batch loads, used in rotation (the loop is unrolled D times so that each
 // stays in registers): while batch i is computed, the loads of batches i + 1 .. i + D − 1 are
-// in flight. F: the waves' sums of F batches gather in shared memory (a ring of 2F slots, so
+// in flight, and once a row of batch i has its dot, the same row of batch i + D goes out into its
+// registers, so through the sums and the barrier D batches are in flight (D − 1 before
+// 2026-12-07: ptxas placed the next batch's loads after the dots, so with D = 2 only one batch was
+// in flight at any time, and the kernels were latency-bound at the same µs on an H100 and an H200). F: the waves' sums of F batches gather in shared memory (a ring of 2F slots, so
 // one barrier per F batches suffices: a half is rewritten only after the next barrier, which
 // every reader of it has passed) and after each barrier thread j · RB + r adds row r of the
 // phase's batch j over the waves, in wave order (deterministic). With the epilogue the up sum
