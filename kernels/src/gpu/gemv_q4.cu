@@ -638,8 +638,8 @@ TP_DEV float q4k_wave_sums(float (&v)[RB], u32 lane) {
 // stays in registers): while batch i is computed, the loads of batches i + 1 .. i + D − 1 are
 // in flight, and once a row of batch i has its dot, the same row of batch i + D goes out into its
 // registers, so through the sums and the barrier D batches are in flight (D − 1 before
-// 2026-12-07: ptxas placed the next batch's loads after the dots, so with D = 2 only one batch was
-// in flight at any time, and the kernels were latency-bound at the same µs on an H100 and an H200). F: the waves' sums of F batches gather in shared memory (a ring of 2F slots, so
+// 2026-12-07; in gate|up's kernel ptxas had even placed the next batch's loads after the dots, so
+// with D = 2 one batch was in flight at a time: latency-bound, the same µs on an H100 and an H200). F: the waves' sums of F batches gather in shared memory (a ring of 2F slots, so
 // one barrier per F batches suffices: a half is rewritten only after the next barrier, which
 // every reader of it has passed) and after each barrier thread j · RB + r adds row r of the
 // phase's batch j over the waves, in wave order (deterministic). With the epilogue the up sum
