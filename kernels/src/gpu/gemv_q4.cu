@@ -414,9 +414,9 @@ TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
 // group, scale and zero offsets are fixed; only row pointers move. The block walks batches of RB
 // rows (b, b + gridDim.x, ...: a persistent grid, sized by the launcher from the occupancy), per
 // row one 16-byte weight load, one scale and one zero word per thread, each row's registers
-// refilled with the batch D ahead as soon as its dot is taken (D register sets used in rotation, so
-// nothing is copied). Each wave reduces its RB partial sums with a transposed butterfly (log2 RB exchanges
-// of half the values, then plain xor steps: lane group r ends with row r), the waves' sums meet in
+// refilled with the batch D ahead as soon as its dot is taken (D register sets used in rotation,
+// so nothing is copied). Each wave reduces its RB partial sums with a transposed butterfly (log2
+// RB exchanges of half the values, then plain xor steps: lane group r ends with row r), the waves' sums meet in
 // shared memory, and after one barrier per F batches lanes of wave 0 add them in wave order
 // (deterministic) and write y. Until 2026-12-06 the dot was f32 (a mask and an FFMA per nibble,
 // ~3.3 instructions per weight in all); the dp4a form issues ~1 per weight for the dot and measured
@@ -589,25 +589,23 @@ struct Q4KDot {
     template <int RB>
     static TP_DEV float dot(const Q4KBatch<RB>& cur, int r, const Acts& t, u32 zshift) {
         constexpr int S = TP_Q4K_ODD_SHIFT;
-        {
-            int ae[3] = {0, 0, 0}, ao[3] = {0, 0, 0};
+        int ae[3] = {0, 0, 0}, ao[3] = {0, 0, 0};
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const u32 w = cur.w[r].w[i];
-                const u32 we = w & 0x0f0f0f0fu, wo = S ? w & 0xf0f0f0f0u : (w >> 4) & 0x0f0f0f0fu;
+        for (int i = 0; i < 4; ++i) {
+            const u32 w = cur.w[r].w[i];
+            const u32 we = w & 0x0f0f0f0fu, wo = S ? w & 0xf0f0f0f0u : (w >> 4) & 0x0f0f0f0fu;
 #pragma unroll
-                for (int L = 0; L < 3; ++L) {
-                    ae[L] = tp_dot4_u8s8(we, t.e[L][i], ae[L]);
-                    ao[L] = tp_dot4_u8s8(wo, t.o[L][i], ao[L]);
-                }
+            for (int L = 0; L < 3; ++L) {
+                ae[L] = tp_dot4_u8s8(we, t.e[L][i], ae[L]);
+                ao[L] = tp_dot4_u8s8(wo, t.o[L][i], ao[L]);
             }
-            const u32 z = (cur.z[r] >> zshift) & 0xfu;
-            // Σ q X = Σ_limbs 2^(16, 8, 0) · (even + odd / 2^S); odd sums are multiples of 2^S.
-            const u32 d = ((u32)ae[0] << 16) + ((u32)ae[1] << 8) + (u32)ae[2] +
-                          ((u32)ao[0] << (16 - S)) + ((u32)ao[1] << (8 - S)) + (u32)(ao[2] >> S) -
-                          z * t.sum;
-            return (q4_scale(cur.s[r]) * (float)(int)d) * t.unscale;
         }
+        const u32 z = (cur.z[r] >> zshift) & 0xfu;
+        // Σ q X = Σ_limbs 2^(16, 8, 0) · (even + odd / 2^S); odd sums are multiples of 2^S.
+        const u32 d = ((u32)ae[0] << 16) + ((u32)ae[1] << 8) + (u32)ae[2] +
+                      ((u32)ao[0] << (16 - S)) + ((u32)ao[1] << (8 - S)) + (u32)(ao[2] >> S) -
+                      z * t.sum;
+        return (q4_scale(cur.s[r]) * (float)(int)d) * t.unscale;
     }
 };
 
@@ -639,8 +637,9 @@ TP_DEV float q4k_wave_sums(float (&v)[RB], u32 lane) {
 // in flight, and once a row of batch i has its dot, the same row of batch i + D goes out into its
 // registers, so through the sums and the barrier D batches are in flight (D − 1 before
 // 2026-12-07; in gate|up's kernel ptxas had even placed the next batch's loads after the dots, so
-// with D = 2 one batch was in flight at a time: latency-bound, the same µs on an H100 and an H200). F: the waves' sums of F batches gather in shared memory (a ring of 2F slots, so
-// one barrier per F batches suffices: a half is rewritten only after the next barrier, which
+// with D = 2 one batch was in flight at a time: latency-bound, the same µs on an H100 and an
+// H200). F: the waves' sums of F batches gather in shared memory (a ring of 2F slots, so one
+// barrier per F batches suffices: a half is rewritten only after the next barrier, which
 // every reader of it has passed) and after each barrier thread j · RB + r adds row r of the
 // phase's batch j over the waves, in wave order (deterministic). With the epilogue the up sum
 // of a batch (row r + YB) reaches its gate row's thread by one shuffle (lane xor YB).
@@ -708,6 +707,8 @@ TP_DEV void gemv_q4_k_body(const GemvQ4Params& p) {
     }
 }
 
+// MINB 2 on the `_k` kernels caps them at 128 registers (3 blocks of 160 threads per SM for the
+// 27B's gate|up); unbounded, ptxas takes ~160 for the refills in flight and costs a block per SM.
 #define TP_GEMV_Q4K_KERNEL(name, RB, SILU, EPI, MAXT, MINB, D, F)                             \
     extern "C" __global__ void TP_LAUNCH_BOUNDS(MAXT, MINB) name(const GemvQ4Params p) { \
         gemv_q4_k_body<RB, SILU, EPI, D, F>(p);                                        \
