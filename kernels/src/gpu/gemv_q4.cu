@@ -416,9 +416,9 @@ TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
 // row one 16-byte weight load, one scale and one zero word per thread, each row's registers
 // refilled with the batch D ahead as soon as its dot is taken (D register sets used in rotation,
 // so nothing is copied). Each wave reduces its RB partial sums with a transposed butterfly (log2
-// RB exchanges of half the values, then plain xor steps: lane group r ends with row r), the waves' sums meet in
-// shared memory, and after one barrier per F batches lanes of wave 0 add them in wave order
-// (deterministic) and write y. Until 2026-12-06 the dot was f32 (a mask and an FFMA per nibble,
+// RB exchanges of half the values, then plain xor steps: lane group r ends with row r), the
+// waves' sums meet in shared memory, and after one barrier per F batches lanes of wave 0 add them
+// in wave order (deterministic) and write y. Until 2026-12-06 the dot was f32 (a mask and an FFMA per nibble,
 // ~3.3 instructions per weight in all); the dp4a form issues ~1 per weight for the dot and measured
 // 1.7 % (gate|up) and 1.9 % (down) faster in production on an H100 (34.8 → 34.2 µs, 21.1 → 20.7
 // µs), as accurate as the f32 form on the 27B shapes (the lab's f64 check: 1.5e-7 against 1.7e-7).
