@@ -216,6 +216,14 @@ __global__ void __launch_bounds__(256, 1) lab_a(const GemvQ4Params p) {
     }
 }
 
+// A whole batch's rows by a dot policy's dot() (gemv_q4.cu Q4KDot), for the lab bodies that
+// take the batch at once.
+template <class Dot, int RB>
+TP_DEV void lab_dots(const Q4KBatch<RB>& cur, const typename Dot::Acts& t, u32 zshift, float (&v)[RB]) {
+#pragma unroll
+    for (int r = 0; r < RB; ++r) v[r] = Dot::template dot<RB>(cur, r, t, zshift);
+}
+
 // ---- candidate T: each thread owns one 32-input chunk, loops over rows ----------------------
 // Became the production gemv_q4_k* kernels (gemv_q4.cu gemv_q4_k_body, which says how they
 // work); here that body under other batch sizes RB and launch bounds MAXT, for sweeps.
@@ -265,7 +273,7 @@ __global__ void __launch_bounds__(MAXT, MINB) lab_ts(const GemvQ4Params p) {
         const bool more = b2 < batches;
         if (more) at.load<RB, false>(b2, p.n, nxt);
         float v[RB];
-        Q4KDot::dots<RB>(cur, acts, at.zshift, v);
+        lab_dots<Q4KDot>(cur, acts, at.zshift, v);
         const float sum = q4k_wave_sums<RB, L>(v, lane);
         if (lane % (32 >> L) == 0) part[wave][lb][lane / (32 >> L)] = sum;
         ++lb;
@@ -481,7 +489,7 @@ TP_DEV void gemv_q4_t_body(const GemvQ4Params& p) {
                     cur.z[r] = sz[d].z[r];
                 }
                 float v[RB];
-                Dot::template dots<RB>(cur, acts, at.zshift, v);
+                lab_dots<Dot>(cur, acts, at.zshift, v);
                 const float sum = q4k_wave_sums<RB, L>(v, lane);
                 if (lane % (TP_WAVE >> L) == 0) red[i % (2 * F)][wave][lane / (TP_WAVE >> L)] = sum;
                 ++i;
@@ -550,11 +558,6 @@ struct TfDot {
         const float d = q4_dot<4>(cur.w[r], t.a);
         const float z = (float)((cur.z[r] >> zshift) & 0xfu);
         return q4_scale(cur.s[r]) * fmaf(-z, t.sa, d);
-    }
-    template <int RB>
-    static TP_DEV void dots(const Q4KBatch<RB>& cur, const Acts& t, u32 zshift, float (&v)[RB]) {
-#pragma unroll
-        for (int r = 0; r < RB; ++r) v[r] = dot<RB>(cur, r, t, zshift);
     }
 };
 template <int RB, int D, int F, bool EPI, int MAXT, int MINB>

@@ -418,8 +418,8 @@ TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
 // so nothing is copied). Each wave reduces its RB partial sums with a transposed butterfly (log2
 // RB exchanges of half the values, then plain xor steps: lane group r ends with row r), the
 // waves' sums meet in shared memory, and after one barrier per F batches lanes of wave 0 add them
-// in wave order (deterministic) and write y. Until 2026-12-06 the dot was f32 (a mask and an FFMA per nibble,
-// ~3.3 instructions per weight in all); the dp4a form issues ~1 per weight for the dot and measured
+// in wave order (deterministic) and write y. Until 2026-12-06 the dot was f32 (a mask and an FFMA
+// per nibble, ~3.3 instructions per weight in all); the dp4a form issues ~1 per weight for the dot and measured
 // 1.7 % (gate|up) and 1.9 % (down) faster in production on an H100 (34.8 → 34.2 µs, 21.1 → 20.7
 // µs), as accurate as the f32 form on the 27B shapes (the lab's f64 check: 1.5e-7 against 1.7e-7).
 // H200, 27B MLP shapes at group 128, f32 form (scripts/device/q4lab.cu, 2026-12-03): gate|up
@@ -528,7 +528,7 @@ struct Q4KActs {
 #endif
 
 // The `_k` body's dot, as a policy (Acts: what a thread keeps of x; acts() makes it once,
-// dots() takes a batch's rows), so that scripts/device/q4lab.cu times other forms in the same
+// dot() takes one row of a batch), so that scripts/device/q4lab.cu times other forms in the same
 // loop.
 struct Q4KDot {
     typedef Q4KActs Acts;
@@ -573,19 +573,13 @@ struct Q4KDot {
         t.sum = sum;
     }
 
-    // This thread's partial sum of each row of a batch: s · Σ (q − z) · a over its chunk. Per word
-    // two masks and six dp4a (one per limb and nibble parity; on CUDA ~1 instruction per weight,
-    // against 2.1 for a mask and an FFMA per nibble). Per row the limbs' sums (each below 2^20 in
-    // magnitude) meet as Σ (q − z) X in u32: intermediate wrap-around cancels, since the result's
-    // magnitude is at most 32 · 15 · 2^22 < 2^31. One rounding to f32 after that; the scale is
-    // applied before 2^-e, so that large activations meet a small scale before they could overflow.
-    template <int RB>
-    static TP_DEV void dots(const Q4KBatch<RB>& cur, const Acts& t, u32 zshift, float (&v)[RB]) {
-#pragma unroll
-        for (int r = 0; r < RB; ++r) v[r] = dot<RB>(cur, r, t, zshift);
-    }
-
-    // Row r's alone (the body refills a row's registers as soon as its sum is taken).
+    // This thread's partial sum of row r of a batch: s · Σ (q − z) · a over its chunk (one row at
+    // a time: the body refills a row's registers as soon as its sum is taken). Per word two masks
+    // and six dp4a (one per limb and nibble parity; on CUDA ~1 instruction per weight, against
+    // 2.1 for a mask and an FFMA per nibble). The limbs' sums (each below 2^20 in magnitude) meet
+    // as Σ (q − z) X in u32: intermediate wrap-around cancels, since the result's magnitude is at
+    // most 32 · 15 · 2^22 < 2^31. One rounding to f32 after that; the scale is applied before
+    // 2^-e, so that large activations meet a small scale before they could overflow.
     template <int RB>
     static TP_DEV float dot(const Q4KBatch<RB>& cur, int r, const Acts& t, u32 zshift) {
         constexpr int S = TP_Q4K_ODD_SHIFT;
