@@ -64,7 +64,8 @@ impl ModelInput {
                 "the default model's tokenizer",
                 synth::tokenizer_json(cfg.vocab).to_string().as_bytes(),
             )
-            .map_err(bad)?;
+            .map_err(bad)?
+            .for_vocab(cfg.vocab);
             return Ok(ModelInput {
                 source: ModelSource::Synthetic(DEFAULT_MODEL),
                 cfg,
@@ -75,7 +76,7 @@ impl ModelInput {
         let dir = std::fs::canonicalize(dir)
             .map_err(|e| bad(format!("model folder {}: {e}", dir.display())))?;
         let cfg = ModelConfig::from_dir(&dir).map_err(bad)?;
-        let tok = Tokenizer::from_dir(&dir).map_err(bad)?;
+        let tok = Tokenizer::from_dir(&dir).map_err(bad)?.for_vocab(cfg.vocab);
         let path = dir
             .to_str()
             .ok_or_else(|| bad(format!("the model path {} is not UTF-8", dir.display())))?

@@ -11,6 +11,9 @@ use anyhow::{anyhow, Result};
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     path: PathBuf,
+    /// The model's vocab size, where known ([`Tokenizer::for_vocab`]): encoded ids must be
+    /// below it (a tokenizer whose added tokens outgrow the model's embedding).
+    vocab: Option<usize>,
 }
 
 impl Tokenizer {
@@ -36,12 +39,41 @@ impl Tokenizer {
         let value: serde_json::Value =
             serde_json::from_slice(json).map_err(|e| cannot(format!("not valid JSON: {e}")))?;
         refuse_unchecked_parts(&value).map_err(cannot)?;
-        let inner = serde_json::from_value::<tokenizers::Tokenizer>(value)
+        let mut inner = serde_json::from_value::<tokenizers::Tokenizer>(value)
             .map_err(|e| cannot(e.to_string()))?;
+        // The whole text, unpadded, as transformers encodes a prompt unless asked otherwise:
+        // tprun checks the prompt against its context itself. (A truncation whose stride is not
+        // below its max_length also panics inside the crate at encode.)
+        inner
+            .with_truncation(None)
+            .map_err(|e| cannot(e.to_string()))?;
+        inner.with_padding(None);
         Ok(Tokenizer {
             inner,
             path: PathBuf::from(name),
+            vocab: None,
         })
+    }
+
+    /// The same tokenizer, its encoded ids checked against the model's `vocab` rows.
+    pub fn for_vocab(self, vocab: usize) -> Tokenizer {
+        Tokenizer {
+            vocab: Some(vocab),
+            ..self
+        }
+    }
+
+    /// `ids`, or an error naming the first that the model has no row for.
+    fn checked(&self, ids: &[u32]) -> Result<Vec<u32>> {
+        let vocab = self.vocab.unwrap_or(usize::MAX);
+        match ids.iter().find(|&&id| id as usize >= vocab) {
+            Some(id) => Err(anyhow!(
+                "{}: gives token id {id}, outside the model's vocab of {vocab} \
+                 (vocab_size in config.json)",
+                self.path.display()
+            )),
+            None => Ok(ids.to_vec()),
+        }
     }
 
     fn err(&self, what: &str, e: tokenizers::Error) -> anyhow::Error {
@@ -55,7 +87,7 @@ impl Tokenizer {
             .inner
             .encode(text, false)
             .map_err(|e| self.err("encode", e))?;
-        Ok(enc.get_ids().to_vec())
+        self.checked(enc.get_ids())
     }
 
     /// Token ids of `text`, with the special tokens the tokenizer's post-processor adds (BOS
@@ -65,7 +97,7 @@ impl Tokenizer {
             .inner
             .encode(text, true)
             .map_err(|e| self.err("encode", e))?;
-        Ok(enc.get_ids().to_vec())
+        self.checked(enc.get_ids())
     }
 
     /// Text of `ids`, special tokens left out.
@@ -230,6 +262,49 @@ mod tests {
         )
         .unwrap();
         dir
+    }
+
+    /// A truncation or padding setting in tokenizer.json is ignored (transformers encodes a
+    /// prompt whole unless asked): even a stride not below max_length, on which the crate
+    /// panics at encode, gives every id.
+    #[test]
+    fn truncation_and_padding_are_ignored() {
+        let mut json = tokenizer_json(32000);
+        json["truncation"] = serde_json::json!({"max_length": 3, "strategy": "LongestFirst",
+                                                "stride": 5, "direction": "Right"});
+        json["padding"] = serde_json::json!({"strategy": {"Fixed": 64}, "direction": "Right",
+            "pad_to_multiple_of": null, "pad_id": 0, "pad_type_id": 0, "pad_token": "<|eos|>"});
+        let t = Tokenizer::from_json("t", json.to_string().as_bytes()).unwrap();
+        let text = "Once upon a time, far away";
+        assert_eq!(t.encode(text).unwrap(), synth_ids(text));
+    }
+
+    /// With the model's vocab known, an id beyond it is an error naming the id, not a prompt
+    /// that the ranks refuse after they started (or, in serve, that stops the job).
+    #[test]
+    fn ids_outside_the_models_vocab_are_refused() {
+        let json = tokenizer_json(32000).to_string();
+        let t = Tokenizer::from_json("t", json.as_bytes()).unwrap();
+        let ids = t.encode("Az").unwrap();
+        let top = *ids.iter().max().unwrap() as usize; // BOS
+        let fits = Tokenizer::from_json("t", json.as_bytes())
+            .unwrap()
+            .for_vocab(top + 1);
+        assert_eq!(fits.encode("Az").unwrap(), ids);
+        let short = Tokenizer::from_json("t", json.as_bytes())
+            .unwrap()
+            .for_vocab(top);
+        let err = short.encode("Az").unwrap_err().to_string();
+        assert!(err.contains(&format!("token id {top}, outside")), "{err}");
+        // Without BOS ('z' is the larger byte).
+        assert_eq!(
+            short.encode_plain("Az").unwrap(),
+            [b'A' as u32, b'z' as u32]
+        );
+        let bytes = Tokenizer::from_json("t", json.as_bytes())
+            .unwrap()
+            .for_vocab(b'z' as usize);
+        assert!(bytes.encode_plain("Az").is_err());
     }
 
     #[test]
