@@ -24,6 +24,9 @@ use crate::tokenizer::{TextStream, Tokenizer};
 use crate::{dtype_arg, Settings};
 
 const DEFAULT_PROMPT: &str = "Once upon a time";
+/// The largest --prompt-file read: far more text than any context holds (a token is a few
+/// bytes), so an endless source such as /dev/zero stops with an error instead of filling memory.
+const PROMPT_FILE_LIMIT: u64 = 16 << 20;
 
 fn usage(m: impl Into<String>) -> JobError {
     JobError::Usage(m.into())
@@ -274,7 +277,7 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
     )?;
     let text = match (&args.prompt, &args.prompt_file) {
         (Some(p), _) => p.clone(),
-        (None, Some(f)) => std::fs::read_to_string(f)
+        (None, Some(f)) => tprun_rank::files::read_text(f, PROMPT_FILE_LIMIT)
             .map_err(|e| bad(format!("prompt file {}: {e}", f.display())))?,
         (None, None) => DEFAULT_PROMPT.to_string(),
     };

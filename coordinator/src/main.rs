@@ -383,7 +383,8 @@ fn run_rank(args: &cli::RankArgs) -> i32 {
         std::env::set_var("HIP_VISIBLE_DEVICES", d.to_string());
     }
     let token = match &args.token_file {
-        Some(f) => std::fs::read_to_string(f)
+        // 32 hex digits and a newline; a few KiB leaves room for whitespace.
+        Some(f) => tprun_rank::files::read_text(f, 4096)
             .map_err(|e| format!("reading token file {}: {e}", f.display())),
         None => std::env::var("TPRUN_JOB_TOKEN")
             .map_err(|_| "no job token: set TPRUN_JOB_TOKEN or pass --token-file".to_string()),

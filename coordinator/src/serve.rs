@@ -273,9 +273,11 @@ fn join_point(path: &Path) -> Result<Listen, JobError> {
 /// absent, or the template is a list of named ones), with its BOS and EOS token strings.
 fn chat_template(dir: &Path) -> Result<Option<ChatTemplate>, String> {
     let path = dir.join("tokenizer_config.json");
-    let Ok(text) = std::fs::read_to_string(&path) else {
+    if !path.exists() {
         return Ok(None);
-    };
+    }
+    let text =
+        tprun_rank::files::read_json_text(&path).map_err(|e| format!("{}: {e}", path.display()))?;
     let v: Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
     let token = |k: &str| match &v[k] {
         Value::String(s) => s.clone(),

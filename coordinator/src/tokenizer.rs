@@ -26,8 +26,9 @@ impl Tokenizer {
                 path.display()
             ));
         }
-        let json = std::fs::read(&path).map_err(|e| anyhow!("{}: {e}", path.display()))?;
-        Self::from_json(&path.display().to_string(), &json)
+        let json = tprun_rank::files::read_json_text(&path)
+            .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        Self::from_json(&path.display().to_string(), json.as_bytes())
     }
 
     /// A tokenizer from `tokenizer.json`'s contents, called `name` in messages (the file's

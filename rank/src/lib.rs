@@ -13,6 +13,7 @@ pub mod comm;
 pub mod decode;
 pub mod error;
 pub mod fault;
+pub mod files;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod job;

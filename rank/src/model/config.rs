@@ -310,7 +310,7 @@ fn json_object(path: &Path, text: &str) -> Result<Map<String, Value>, ModelError
 impl ModelConfig {
     /// Reads `dir/config.json` and, when present, `dir/generation_config.json`.
     pub fn from_dir(dir: &Path) -> Result<ModelConfig, ModelError> {
-        let read = |p: &Path| std::fs::read_to_string(p).map_err(|e| ModelError::io(p, e));
+        let read = |p: &Path| crate::files::read_json_text(p).map_err(|e| ModelError::io(p, e));
         let path = dir.join("config.json");
         let text = read(&path)?;
         let gen_path = dir.join("generation_config.json");

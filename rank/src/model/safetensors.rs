@@ -79,6 +79,7 @@ pub enum Slice {
 
 impl SafeFile {
     pub fn open(path: &Path) -> Result<SafeFile, ModelError> {
+        crate::files::regular(path).map_err(|e| ModelError::io(path, e))?;
         let file = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
         // SAFETY: a file-backed map is undefined behaviour if another process truncates or
         // rewrites the file while it is mapped. Checkpoints are read-only inputs; we map them
@@ -290,8 +291,8 @@ impl Checkpoint {
         let mut names: Vec<String> = Vec::new();
         let mut weight_map: Vec<(String, String)> = Vec::new();
         if index_path.exists() {
-            let text =
-                std::fs::read_to_string(&index_path).map_err(|e| ModelError::io(&index_path, e))?;
+            let text = crate::files::read_json_text(&index_path)
+                .map_err(|e| ModelError::io(&index_path, e))?;
             weight_map = parse_index(&index_path, &text)?;
             for (_, f) in &weight_map {
                 if !names.contains(f) {
