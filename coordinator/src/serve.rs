@@ -410,6 +410,12 @@ impl Observer for Engine {
     }
 
     fn stop(&mut self, ranks: &RankConns<'_>) -> bool {
+        // Until rank 0 reports Ready it is still setting up or loading, and reads no work
+        // message (a Shutdown then broke its setup: "expected Peers"): nothing runs yet, so
+        // the job is aborted, as decode's is (exit 130).
+        if !self.shared.ready.load(Ordering::SeqCst) {
+            return false;
+        }
         eprintln!("tprun serve: stopping (after the running requests; Ctrl-C again to abort)");
         self.stopping = true;
         self.shared.ready.store(false, Ordering::SeqCst);
