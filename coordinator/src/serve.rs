@@ -796,29 +796,7 @@ async fn chat_completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response
 fn render_chat(s: &Shared, msgs: &Value) -> Result<Vec<u32>, String> {
     match &s.chat {
         Some(t) => {
-            let mut env = minijinja::Environment::new();
-            env.add_function(
-                "raise_exception",
-                |m: String| -> Result<String, minijinja::Error> {
-                    Err(minijinja::Error::new(
-                        minijinja::ErrorKind::InvalidOperation,
-                        m,
-                    ))
-                },
-            );
-            env.add_template("chat", &t.source)
-                .map_err(|e| format!("the model's chat template: {e}"))?;
-            let text = env
-                .get_template("chat")
-                .and_then(|tpl| {
-                    tpl.render(minijinja::context! {
-                        messages => msgs,
-                        add_generation_prompt => true,
-                        bos_token => t.bos.as_str(),
-                        eos_token => t.eos.as_str(),
-                    })
-                })
-                .map_err(|e| format!("the model's chat template: {e}"))?;
+            let text = render_template(t, msgs)?;
             s.tok.encode_plain(&text).map_err(|e| e.to_string())
         }
         None => {
@@ -834,6 +812,38 @@ fn render_chat(s: &Shared, msgs: &Value) -> Result<Vec<u32>, String> {
             s.tok.encode(&text).map_err(|e| e.to_string())
         }
     }
+}
+
+/// Template instructions one chat render may run: real templates take a few thousand per
+/// message, and a template that loops (for ever, or 10^10 times) stops within a second with an
+/// error instead of holding a worker thread.
+const TEMPLATE_FUEL: u64 = 5_000_000;
+
+/// The chat template `t` rendered over `msgs`, with the generation prompt.
+fn render_template(t: &ChatTemplate, msgs: &Value) -> Result<String, String> {
+    let mut env = minijinja::Environment::new();
+    env.set_fuel(Some(TEMPLATE_FUEL));
+    env.add_function(
+        "raise_exception",
+        |m: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                m,
+            ))
+        },
+    );
+    env.add_template("chat", &t.source)
+        .map_err(|e| format!("the model's chat template: {e}"))?;
+    env.get_template("chat")
+        .and_then(|tpl| {
+            tpl.render(minijinja::context! {
+                messages => msgs,
+                add_generation_prompt => true,
+                bos_token => t.bos.as_str(),
+                eos_token => t.eos.as_str(),
+            })
+        })
+        .map_err(|e| format!("the model's chat template: {e}"))
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -1178,6 +1188,28 @@ fn stream_response(head: Head, g: Gen) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_chat_template_that_never_ends_is_stopped() {
+        let t = |source: &str| ChatTemplate {
+            source: source.into(),
+            bos: "<s>".into(),
+            eos: "</s>".into(),
+        };
+        let msgs = serde_json::json!([{"role": "user", "content": "hi"}]);
+        let ok = t(
+            "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n\
+                    {% endfor %}{% if add_generation_prompt %}assistant:{% endif %}",
+        );
+        assert_eq!(
+            render_template(&ok, &msgs).unwrap(),
+            "<s>user: hi\nassistant:"
+        );
+        let endless = t("{% for i in range(100000) %}{% for j in range(100000) %}x\
+                         {% endfor %}{% endfor %}");
+        let err = render_template(&endless, &msgs).unwrap_err();
+        assert!(err.contains("fuel"), "{err}");
+    }
 
     #[test]
     fn stop_strings_cut_the_text_even_across_pieces() {
