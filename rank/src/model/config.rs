@@ -542,7 +542,7 @@ impl ModelConfig {
             }
             _ => (None, f.positive_or("rope_theta", 10000.0, None)?),
         };
-        Ok(ModelConfig {
+        let cfg = ModelConfig {
             arch,
             hidden,
             intermediate,
@@ -563,7 +563,19 @@ impl ModelConfig {
             eos: f.ids("eos_token_id")?.unwrap_or_default(),
             hybrid,
             gptq: GptqConfig::from_config(file, &Value::Object(obj.clone()))?,
-        })
+        };
+        // A tiny theta (1e-300) passes as positive, but its frequencies 1 / theta^(2i/d)
+        // overflow f32, in which the kernels rotate: every logit would be NaN at step 1.
+        if cfg.inv_freq().iter().any(|f| !f.is_finite()) {
+            return Err(f.err(
+                "rope_theta",
+                format!(
+                    "{}: its RoPE frequencies overflow f32, the kernels' precision",
+                    cfg.rope_theta
+                ),
+            ));
+        }
+        Ok(cfg)
     }
 
     /// The checkpoint's `architectures[0]`: [`Arch::hf_name`], but Qwen3.5's multimodal class
@@ -1182,6 +1194,7 @@ mod tests {
             ("head_dim", serde_json::json!(999)),
             ("rope_theta", serde_json::json!(-10000.0)),
             ("rope_theta", serde_json::json!(0.0)),
+            ("rope_theta", serde_json::json!(1e-300)),
             ("rms_norm_eps", serde_json::json!(-1e-5)),
             ("rms_norm_eps", serde_json::json!(0.0)),
             ("rms_norm_eps", serde_json::json!(1e-60)),
