@@ -5,8 +5,9 @@ use std::io::Write;
 
 use anyhow::{bail, Result};
 use serde::Serialize;
+use tprun_kernels::comm::CommLayout;
 use tprun_kernels::DType;
-use tprun_rank::job::{Algo, BenchRow, BenchSpec, Report, Task};
+use tprun_rank::job::{Algo, Backend, BenchRow, BenchSpec, Report, Task};
 
 use crate::cli::BenchAllreduceArgs;
 use crate::launch::{JobError, Observer};
@@ -256,9 +257,50 @@ impl Observer for Collector {
     }
 }
 
+/// CPU ranks share this host's memory: sizes it cannot hold are refused before any rank
+/// starts, with the figures (the kernel's OOM killer met them mid-run otherwise, and the job
+/// ended with "killed by SIGKILL"). Per rank: the communicator's exported buffer, the data
+/// buffer, and the host copies of an input and, with --check, of the expected and read-back
+/// results, each as large as the largest row.
+fn fits_host_memory(spec: &BenchSpec, world: usize) -> Result<(), JobError> {
+    let Some(available) = host_available_bytes() else {
+        return Ok(());
+    };
+    let max = spec.max_bytes() as u64;
+    let comm = CommLayout::new(spec.max_bytes(), world).total_bytes() as u64;
+    let copies = if spec.check { 4 } else { 2 };
+    let need = world as u64 * (comm + copies * max);
+    if need > available {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        return Err(JobError::Setup(anyhow::anyhow!(
+            "{world} rank(s) at {:.2} GiB per call need about {:.1} GiB of host memory, and \
+             {:.1} GiB are available (MemAvailable): smaller --sizes or --counts, or fewer ranks",
+            gib(max),
+            gib(need),
+            gib(available)
+        )));
+    }
+    Ok(())
+}
+
+/// MemAvailable from /proc/meminfo, in bytes (None where there is no such file).
+fn host_available_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 pub fn run(settings: &Settings, args: &BenchAllreduceArgs) -> Result<i32, JobError> {
     let rows = rows(args).map_err(|e| JobError::Usage(format!("{e:#}")))?;
     let world = settings.world;
+    let spec = BenchSpec {
+        rows: rows.clone(),
+        check: args.check,
+    };
+    if settings.backend == Backend::Cpu {
+        fits_host_memory(&spec, world)?;
+    }
     let mut col = Collector {
         world,
         rows: rows.clone(),
@@ -277,11 +319,7 @@ pub fn run(settings: &Settings, args: &BenchAllreduceArgs) -> Result<i32, JobErr
             if args.check { "checked" } else { "unchecked" }
         );
     }
-    let task = Task::Bench(BenchSpec {
-        rows,
-        check: args.check,
-    });
-    crate::launch::run(settings.launch(task), &mut col)?;
+    crate::launch::run(settings.launch(Task::Bench(spec)), &mut col)?;
     if let Some(why) = col.failed {
         return Err(JobError::RankError(tprun_rank::FailKind::Internal, why));
     }

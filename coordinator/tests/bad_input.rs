@@ -296,6 +296,22 @@ fn bench_flags() {
         b(&["--tune", "--algo", "host"], "--tune"),
         b(&["--counts", "8", "--sizes", "8"], "--counts"),
     ]);
+    // More host memory than any machine here has (CPU ranks share the host's): refused
+    // before a rank starts, with the figures, not met by the OOM killer.
+    check_all(&[case(
+        &[
+            "--backend",
+            "cpu",
+            "--ranks",
+            "8",
+            "bench",
+            "allreduce",
+            "--sizes",
+            "16G",
+        ],
+        1,
+        "host memory",
+    )]);
 }
 
 /// `decode`'s flags, each refused where it is parsed (negative values included), and missing
