@@ -58,16 +58,6 @@ pub enum Matrix<B> {
     Int4(Int4<B>),
 }
 
-impl<B> Matrix<B> {
-    /// The dense tensor, for the fused ops (`AddNormMatmul`) that have no int4 form.
-    pub fn dense(&self) -> Option<&Tensor<B>> {
-        match self {
-            Matrix::Dense(t) => Some(t),
-            Matrix::Int4(_) => None,
-        }
-    }
-}
-
 /// One decoder layer. The column-parallel projections that read the same input are fused at
 /// load (concatenated per rank along their output rows), so that decode runs one
 /// matrix–vector product where the checkpoint has two or more.
