@@ -274,7 +274,8 @@ fn fits_host_memory(spec: &BenchSpec, world: usize) -> Result<(), JobError> {
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         return Err(JobError::Setup(anyhow::anyhow!(
             "{world} rank(s) at {:.2} GiB per call need about {:.1} GiB of host memory, and \
-             {:.1} GiB are available (MemAvailable): smaller --sizes or --counts, or fewer ranks",
+             {:.1} GiB are available (MemAvailable, or the cgroup's limit): smaller --sizes or \
+             --counts, or fewer ranks",
             gib(max),
             gib(need),
             gib(available)
@@ -283,12 +284,21 @@ fn fits_host_memory(spec: &BenchSpec, world: usize) -> Result<(), JobError> {
     Ok(())
 }
 
-/// MemAvailable from /proc/meminfo, in bytes (None where there is no such file).
+/// Host memory this process may still use, in bytes: MemAvailable from /proc/meminfo, or less
+/// where a cgroup (v2: a container) limits it; None where neither can be read.
 fn host_available_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    let read = |p: &str| std::fs::read_to_string(p).ok();
+    let mem = read("/proc/meminfo").and_then(|text| {
+        let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
+    });
+    let number = |p: &str| read(p)?.trim().parse::<u64>().ok(); // "max" gives None
+    let cgroup = number("/sys/fs/cgroup/memory.max")
+        .map(|max| max.saturating_sub(number("/sys/fs/cgroup/memory.current").unwrap_or(0)));
+    match (mem, cgroup) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
 }
 
 pub fn run(settings: &Settings, args: &BenchAllreduceArgs) -> Result<i32, JobError> {

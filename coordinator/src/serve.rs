@@ -843,7 +843,13 @@ fn render_template(t: &ChatTemplate, msgs: &Value) -> Result<String, String> {
                 eos_token => t.eos.as_str(),
             })
         })
-        .map_err(|e| format!("the model's chat template: {e}"))
+        .map_err(|e| match e.kind() {
+            minijinja::ErrorKind::OutOfFuel => format!(
+                "the model's chat template ran over {TEMPLATE_FUEL} instructions (a loop that \
+                 does not end?)"
+            ),
+            _ => format!("the model's chat template: {e}"),
+        })
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -1205,10 +1211,11 @@ mod tests {
             render_template(&ok, &msgs).unwrap(),
             "<s>user: hi\nassistant:"
         );
-        let endless = t("{% for i in range(100000) %}{% for j in range(100000) %}x\
+        // 10^7 steps: over the fuel, so an error with it; without it, text (the test fails).
+        let endless = t("{% for i in range(100000) %}{% for j in range(100) %}x\
                          {% endfor %}{% endfor %}");
         let err = render_template(&endless, &msgs).unwrap_err();
-        assert!(err.contains("fuel"), "{err}");
+        assert!(err.contains("ran over 5000000 instructions"), "{err}");
     }
 
     #[test]

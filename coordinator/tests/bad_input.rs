@@ -149,6 +149,15 @@ fn variant(base: &Path, name: &str) -> PathBuf {
     d
 }
 
+/// A copy of the llama model whose model.safetensors is a FIFO.
+fn fifo_model() -> PathBuf {
+    let d = variant(&fixtures().llama, "fifo");
+    let p = d.join("model.safetensors");
+    std::fs::remove_file(&p).unwrap();
+    nix::unistd::mkfifo(&p, nix::sys::stat::Mode::S_IRWXU).unwrap();
+    d
+}
+
 /// A copy of the llama model whose config.json has `field` set to `value` (null removes it).
 fn config_with(name: &str, field: &str, value: Value) -> PathBuf {
     let d = variant(&fixtures().llama, name);
@@ -296,14 +305,15 @@ fn bench_flags() {
         b(&["--tune", "--algo", "host"], "--tune"),
         b(&["--counts", "8", "--sizes", "8"], "--counts"),
     ]);
-    // More host memory than any machine here has (CPU ranks share the host's): refused
+    // More host memory than any machine has (64 ranks at 16 GiB: ~4 TiB; CPU ranks share the
+    // host's): refused
     // before a rank starts, with the figures, not met by the OOM killer.
     check_all(&[case(
         &[
             "--backend",
             "cpu",
             "--ranks",
-            "8",
+            "64",
             "bench",
             "allreduce",
             "--sizes",
@@ -350,6 +360,10 @@ fn decode_flags() {
             1,
             "/nonexistent/model",
         ),
+        // An endless prompt file stops at the bound; a FIFO in place of the checkpoint is
+        // refused before it is opened (opening it waited for a writer for ever).
+        decode(m, &["--prompt-file", "/dev/zero"], 1, "larger than"),
+        decode(&fifo_model(), &[], 1, "not a regular file"),
         // serve --listen: a path that exists (a file, not ours to remove) or a bad token.
         case(
             &[

@@ -318,6 +318,47 @@ fn check_server(world: usize, model: Option<&Path>) {
     env.assert_clean();
 }
 
+/// Ctrl-C while the ranks still load (rank 0 held there by a fault) aborts the job at once,
+/// exit 130, as decode does: a Shutdown sent then would wait for a rank that reads no work yet
+/// (before, rank 0 could even be in setup and fail on it: "expected Peers, got Work").
+#[test]
+fn ctrl_c_before_ready_aborts() {
+    let env = Env::new("serve-early-stop");
+    let mut c = env.cmd();
+    c.env("TPRUN_FAULT", "stall:0:loading")
+        .args([
+            "--ranks",
+            "2",
+            "--backend",
+            "cpu",
+            "--timeout",
+            "30",
+            "serve",
+        ])
+        .args(["--port", "0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    // Rank 0 says where it stalls (a warning), by then the coordinator handles signals.
+    while err.read_line(&mut line).unwrap() > 0 && !line.contains("injecting 'stall'") {
+        line.clear();
+    }
+    assert!(line.contains("injecting 'stall' in loading"), "{line}");
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGINT,
+    );
+    let mut rest = String::new();
+    err.read_to_string(&mut rest).unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130), "{rest}");
+    assert!(rest.contains("error: interrupted"), "{rest}");
+    assert!(!rest.contains("stopping"), "{rest}");
+    env.assert_clean();
+}
+
 /// Each bad request: its status, and an OpenAI error body naming the parameter.
 fn bad_requests(srv: &Server) {
     let long = "word ".repeat(400);

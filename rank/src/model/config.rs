@@ -564,14 +564,17 @@ impl ModelConfig {
             hybrid,
             gptq: GptqConfig::from_config(file, &Value::Object(obj.clone()))?,
         };
-        // A tiny theta (1e-300) passes as positive, but its frequencies 1 / theta^(2i/d)
-        // overflow f32, in which the kernels rotate: every logit would be NaN at step 1.
-        if cfg.inv_freq().iter().any(|f| !f.is_finite()) {
+        // A tiny theta (1e-36) passes as positive, but its frequencies 1 / theta^(2i/d), or the
+        // angles position · frequency, overflow f32, in which the kernels rotate: the logits
+        // would be NaN from that position on.
+        let top = cfg.inv_freq().into_iter().fold(0.0f32, f32::max);
+        if !(top * cfg.max_positions as f32).is_finite() {
             return Err(f.err(
                 "rope_theta",
                 format!(
-                    "{}: its RoPE frequencies overflow f32, the kernels' precision",
-                    cfg.rope_theta
+                    "{} is too small: its RoPE angles overflow f32 (the kernels' precision) \
+                     within max_position_embeddings {}",
+                    cfg.rope_theta, cfg.max_positions
                 ),
             ));
         }
@@ -1195,6 +1198,7 @@ mod tests {
             ("rope_theta", serde_json::json!(-10000.0)),
             ("rope_theta", serde_json::json!(0.0)),
             ("rope_theta", serde_json::json!(1e-300)),
+            ("rope_theta", serde_json::json!(1e-50)), // finite frequencies (head_dim 8), angles not
             ("rms_norm_eps", serde_json::json!(-1e-5)),
             ("rms_norm_eps", serde_json::json!(0.0)),
             ("rms_norm_eps", serde_json::json!(1e-60)),
