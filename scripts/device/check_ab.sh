@@ -31,7 +31,8 @@
 # CHECKS=0 skips NEW's checks (selftest, qwen35.sh check, decode.sh stories): the figures of a
 # tree already checked on a GPU, when the call is short.
 # DEADLINE (epoch seconds): sections that no longer fit are skipped and say so. NO_LLAMA=1 skips
-# the Llama-3-8B synth and rounds (and the peer), for a change that only the 27B can show.
+# the Llama-3-8B synth and rounds (and the peer), for a change that only the 27B can show;
+# NO_Q35=1 the 27B synth and rounds (issue 9's figures and peer alone: ~6 minutes with CHECKS).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 [ $# -ge 3 ] || { echo "usage: check_ab.sh NEW BASE STORIES_DIR [MORE...]"; exit 2; }
@@ -47,8 +48,11 @@ q=/tmp/tprun-ab-q35-27b l=/tmp/tprun-ab-l8b
 trap 'rm -rf "$q" "$l"' EXIT
 t0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-tprun_synth_27b "${bins[0]}" $q 2> "$out/synth-q.err" &
-sq=$!
+q35=$([ "${NO_Q35:-0}" = 1 ] && echo 0 || echo 1)
+if [ $q35 = 1 ]; then
+    tprun_synth_27b "${bins[0]}" $q 2> "$out/synth-q.err" &
+    sq=$!
+fi
 llama=$([ "${NO_LLAMA:-0}" = 1 ] && echo 0 || echo 1)
 if [ $llama = 1 ]; then
     tprun_synth_l8b "${bins[0]}" $l 2> "$out/synth-l.err" &
@@ -116,14 +120,16 @@ for i in $bench_bins; do  # NEW, then BASE's with BENCH=2 (leaving the 27B round
     timeout 150 "${bins[$i]}" --backend cuda --timeout 180 bench gemv --quant int4 > "$out/gemv-$i.txt" 2>&1 || fail "bench gemv (bin $i)"
     cat "$out/gemv-$i.txt"
 done
-wait $sq || { fail "synth 27b"; tail -3 "$out/synth-q.err"; }
-echo "27b synth done after $(( $(date +%s) - t0 )) s"
-q35_bins=$([ "${Q35_ALL:-0}" = 1 ] && echo $all || echo $pair)
-for r in $(seq "${ROUNDS:-1}"); do
-    room $(( 55 * $(echo $q35_bins | wc -w) )) "27b round $r" || break
-    for i in $q35_bins; do run $i "q35-r$r" $q --prompt "Once upon a time, in a land far away" --max-new-tokens 128; done
-done
-same q35-r1 $q35_bins
+if [ $q35 = 1 ]; then
+    wait $sq || { fail "synth 27b"; tail -3 "$out/synth-q.err"; }
+    echo "27b synth done after $(( $(date +%s) - t0 )) s"
+    q35_bins=$([ "${Q35_ALL:-0}" = 1 ] && echo $all || echo $pair)
+    for r in $(seq "${ROUNDS:-1}"); do
+        room $(( 55 * $(echo $q35_bins | wc -w) )) "27b round $r" || break
+        for i in $q35_bins; do run $i "q35-r$r" $q --prompt "Once upon a time, in a land far away" --max-new-tokens 128; done
+    done
+    same q35-r1 $q35_bins
+fi
 # The peer last, so that a short call keeps both of tprun's benchmarks.
 if [ $llama = 1 ] && [ "${PEER:-0}" = 1 ] && room 200 peer; then
     echo "== peer: transformers static cache + torch.compile (same checkpoint as the Llama rounds, 256 after 128)"
