@@ -419,9 +419,10 @@ TP_DEV void gemv_q4_body(const GemvQ4Params& p) {
 // RB exchanges of half the values, then plain xor steps: lane group r ends with row r), the
 // waves' sums meet in shared memory, and after one barrier per F batches lanes of wave 0 add them
 // in wave order (deterministic) and write y. Until 2026-12-06 the dot was f32 (a mask and an FFMA
-// per nibble, ~3.3 instructions per weight in all); the dp4a form issues ~1 per weight for the dot and measured
-// 1.7 % (gate|up) and 1.9 % (down) faster in production on an H100 (34.8 → 34.2 µs, 21.1 → 20.7
-// µs), as accurate as the f32 form on the 27B shapes (the lab's f64 check: 1.5e-7 against 1.7e-7).
+// per nibble, ~3.3 instructions per weight in all); the dp4a form issues ~1 per weight for the
+// dot and measured 1.7 % (gate|up) and 1.9 % (down) faster in production on an H100 (34.8 → 34.2
+// µs, 21.1 → 20.7 µs), as accurate as the f32 form on the 27B shapes (the lab's f64 check: 1.5e-7
+// against 1.7e-7).
 // H200, 27B MLP shapes at group 128, f32 form (scripts/device/q4lab.cu, 2026-12-03): gate|up
 // [34816, 5120] 2.61 TB/s with RB = 4 (160 threads, 3 blocks per SM), down + silu [5120, 17408]
 // 1.79 TB/s with RB = 2 (544 threads, 1 block per SM: the registers cap it), against 4.4 TB/s for a
