@@ -33,6 +33,8 @@
 # DEADLINE (epoch seconds): sections that no longer fit are skipped and say so. NO_LLAMA=1 skips
 # the Llama-3-8B synth and rounds (and the peer), for a change that only the 27B can show;
 # NO_Q35=1 the 27B synth and rounds (issue 9's figures and peer alone: ~6 minutes with CHECKS).
+# TP4=1 adds, last, NEW at 4 ranks on the one GPU (MPS) on each model, with and without its
+# allreduces: both issues' TP=4 tok/s and allreduce share (~3.5 minutes predicted).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 [ $# -ge 3 ] || { echo "usage: check_ab.sh NEW BASE STORIES_DIR [MORE...]"; exit 2; }
@@ -134,6 +136,38 @@ fi
 if [ $llama = 1 ] && [ "${PEER:-0}" = 1 ] && room 200 peer; then
     echo "== peer: transformers static cache + torch.compile (same checkpoint as the Llama rounds, 256 after 128)"
     tprun_peer $l 240
+fi
+# TP4=1: NEW at 4 ranks on this one GPU (MPS), on both models, with and without its allreduces
+# (the allreduces' share of a token), and whether its tokens are TP=1's (round 1, bin 0).
+tp4() {  # tp4 TAG TP1_JSON MODEL DECODE_FLAGS...
+    local tag=$1 tp1=$2 model=$3 ar env; shift 3
+    room 100 "$tag" || return 0
+    for ar in on off; do
+        env=(); [ $ar = off ] && env=(TPRUN_BENCH_NO_ALLREDUCE=1)
+        env "${env[@]}" "${bins[0]}" --backend cuda --ranks 4 --devices "$devices" --timeout 120 decode \
+            --model "$model" "$@" --temperature 0 --ignore-eos --json > "$out/$tag-$ar.json" 2> "$out/$tag-$ar.err" \
+            || { fail "$tag allreduces $ar"; tail -3 "$out/$tag-$ar.err"; return 0; }
+        tprun_decode_line "$out/$tag-$ar.json" "$out/copy.txt" "$tag, allreduces $ar"
+    done
+    python3 - "$out/$tag-on.json" "$out/$tag-off.json" "$tp1" <<'PY'
+import json, os, sys
+on, off = (json.load(open(f)) for f in sys.argv[1:3])
+d = on["token_latency_p50_ms"] - off["token_latency_p50_ms"]
+print(f"  allreduces ({on['allreduces_per_step']} per token): {d:.3f} ms of a {on['token_latency_p50_ms']:.3f} ms token "
+      f"(p50 against p50 without them) = {d / on['token_latency_p50_ms'] * 100:.1f} %")
+if os.path.exists(sys.argv[3]):
+    a, b = on["token_ids"], json.load(open(sys.argv[3]))["token_ids"]
+    n = min(len(a), len(b))
+    first = next((i for i in range(n) if a[i] != b[i]), None)
+    print(f"  TP=4 tokens == TP=1 tokens (first {n}): {first is None}" + ("" if first is None else f" (first difference at step {first})"))
+PY
+}
+if [ "${TP4:-0}" = 1 ]; then
+    tprun_devices 4
+    trap 'rm -rf "$q" "$l"; [ -z "${CUDA_MPS_PIPE_DIRECTORY:-}" ] || { echo quit | nvidia-cuda-mps-control; echo "MPS daemon stopped"; }' EXIT
+    echo "== TP=4 on one GPU (NEW): with and without its allreduces"
+    [ $llama = 1 ] && tp4 l8b-tp4 "$out/l8b-r1-0.json" $l --prompt-file /tmp/prompt.txt --max-new-tokens 256
+    [ $q35 = 1 ] && tp4 q35-tp4 "$out/q35-r1-0.json" $q --prompt "Once upon a time, in a land far away" --max-new-tokens 128
 fi
 echo "check_ab.sh: $([ $status -eq 0 ] && echo PASS || echo FAILED) after $(( $(date +%s) - t0 )) s"
 exit $status
