@@ -11,7 +11,7 @@ use tprun_rank::job::{Algo, Backend, BenchRow, BenchSpec, Report, Task};
 
 use crate::cli::BenchAllreduceArgs;
 use crate::launch::{JobError, Observer};
-use crate::Settings;
+use crate::{hostmem, Settings};
 
 /// Iterations when --iters is not given: enough for a stable median on small messages,
 /// about 32 MiB of traffic per rank per row for large ones, never fewer than 5.
@@ -263,7 +263,7 @@ impl Observer for Collector {
 /// buffer, and the host copies of an input and, with --check, of the expected and read-back
 /// results, each as large as the largest row.
 fn fits_host_memory(spec: &BenchSpec, world: usize) -> Result<(), JobError> {
-    let Some(available) = host_available_bytes() else {
+    let Some(available) = hostmem::available_bytes() else {
         return Ok(());
     };
     let max = spec.max_bytes() as u64;
@@ -271,7 +271,7 @@ fn fits_host_memory(spec: &BenchSpec, world: usize) -> Result<(), JobError> {
     let copies = if spec.check { 4 } else { 2 };
     let need = world as u64 * (comm + copies * max);
     if need > available {
-        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        let gib = hostmem::gib;
         return Err(JobError::Setup(anyhow::anyhow!(
             "{world} rank(s) at {:.2} GiB per call need about {:.1} GiB of host memory, and \
              {:.1} GiB are available (MemAvailable, or the cgroup's limit): smaller --sizes or \
@@ -282,23 +282,6 @@ fn fits_host_memory(spec: &BenchSpec, world: usize) -> Result<(), JobError> {
         )));
     }
     Ok(())
-}
-
-/// Host memory this process may still use, in bytes: MemAvailable from /proc/meminfo, or less
-/// where a cgroup (v2: a container) limits it; None where neither can be read.
-fn host_available_bytes() -> Option<u64> {
-    let read = |p: &str| std::fs::read_to_string(p).ok();
-    let mem = read("/proc/meminfo").and_then(|text| {
-        let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-        Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
-    });
-    let number = |p: &str| read(p)?.trim().parse::<u64>().ok(); // "max" gives None
-    let cgroup = number("/sys/fs/cgroup/memory.max")
-        .map(|max| max.saturating_sub(number("/sys/fs/cgroup/memory.current").unwrap_or(0)));
-    match (mem, cgroup) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    }
 }
 
 pub fn run(settings: &Settings, args: &BenchAllreduceArgs) -> Result<i32, JobError> {

@@ -10,7 +10,7 @@ use std::time::Duration;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tprun_kernels::DType;
-use tprun_rank::job::{DecodeSpec, ModelSource, ModelSpec, Report, Task};
+use tprun_rank::job::{Backend, DecodeSpec, ModelSource, ModelSpec, Report, Task};
 use tprun_rank::model::forward::{LoadOptions, DEFAULT_MAX_SEQ};
 use tprun_rank::model::gptq::ZeroFormat;
 use tprun_rank::model::synth::config_for;
@@ -21,7 +21,7 @@ use tprun_rank::model::{
 use crate::cli::{DecodeArgs, SynthArgs};
 use crate::launch::{JobError, Observer};
 use crate::tokenizer::{TextStream, Tokenizer};
-use crate::{dtype_arg, Settings};
+use crate::{dtype_arg, hostmem, Settings};
 
 const DEFAULT_PROMPT: &str = "Once upon a time";
 /// The largest --prompt-file read: far more text than any context holds (a token is a few
@@ -93,16 +93,19 @@ impl ModelInput {
     }
 
     /// What the ranks are told to load, and the context length they will size the KV cache
-    /// for, after checking that `world` ranks can split the model. `kv_dtype` None (auto):
-    /// bf16 for 16-bit weights, f32 for f32 ones.
+    /// for, after checking that `settings.world` ranks can split the model and, on the CPU
+    /// backend, that they fit in host memory with `slots` sequences' KV cache. `kv_dtype`
+    /// None (auto): bf16 for 16-bit weights, f32 for f32 ones.
     pub(crate) fn spec(
         &self,
         dtype: Option<DType>,
         kv_dtype: Option<DType>,
         max_seq: Option<usize>,
         graph: bool,
-        world: usize,
+        settings: &Settings,
+        slots: usize,
     ) -> Result<(ModelSpec, usize), JobError> {
+        let world = settings.world;
         for r in 0..world {
             ShardPlan::new(&self.cfg, r, world).map_err(bad)?;
         }
@@ -128,6 +131,12 @@ impl ModelInput {
             max_seq,
             graph,
         };
+        if settings.backend == Backend::Cpu {
+            if let Some(available) = hostmem::available_bytes() {
+                let opts = spec.load_options(slots);
+                hostmem::check_model(&self.cfg, &opts, weights.size(), world, available)?;
+            }
+        }
         Ok((spec, context))
     }
 
@@ -273,7 +282,8 @@ pub fn run(settings: &Settings, args: &DecodeArgs) -> Result<i32, JobError> {
         kv_dtype,
         args.max_seq,
         args.graph == "on",
-        settings.world,
+        settings,
+        1,
     )?;
     let text = match (&args.prompt, &args.prompt_file) {
         (Some(p), _) => p.clone(),

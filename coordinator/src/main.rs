@@ -5,6 +5,7 @@
 mod bench;
 mod bench_gemv;
 mod decode;
+mod hostmem;
 mod info;
 mod launch;
 mod serve;

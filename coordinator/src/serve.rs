@@ -154,7 +154,8 @@ pub fn run(settings: &Settings, args: &ServeArgs) -> Result<i32, JobError> {
         kv_dtype,
         args.max_seq,
         args.graph == "on",
-        settings.world,
+        settings,
+        max_batch,
     )?;
     let chat = args
         .model

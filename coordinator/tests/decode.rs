@@ -466,9 +466,9 @@ fn bad_input_fails_with_one_clear_line() {
     expect_error(&env, &good, 1, &["--kv-dtype", "u32"], "--kv-dtype");
     expect_error(&env, &good, 1, &["--top-k", "65"], "--top-k");
     expect_error(&env, &good, 1, &["--max-seq", "0"], "--max-seq");
-    // A KV cache that cannot be allocated: one line naming the bytes, nothing left behind.
+    // A KV cache that does not fit: one line with the memory it needs, nothing left behind.
     expect_error(&env, &good, 2, &["--max-seq", "5000000000"], "--max-seq");
-    expect_error(&env, &good, 1, &["--max-seq", "2000000000"], "bytes");
+    expect_error(&env, &good, 1, &["--max-seq", "2000000000"], "host memory");
 
     for d in std::fs::read_dir(&env.dir).unwrap() {
         std::fs::remove_dir_all(d.unwrap().path()).unwrap();

@@ -196,6 +196,22 @@ impl Sizes {
     }
 }
 
+/// Bytes one rank's shard of `cfg` holds once loaded with `opts`, its matrices `wsize` bytes
+/// an element: (weights, KV cache + recurrent state + scratch). What a rank checks against
+/// its device's free memory before it allocates; the coordinator adds up every rank's where
+/// the ranks share the host's memory (the CPU backend).
+pub fn shard_memory(
+    cfg: &ModelConfig,
+    rank: usize,
+    world: usize,
+    opts: &LoadOptions,
+    wsize: usize,
+) -> Result<(u64, u64), ModelError> {
+    let plan = ShardPlan::new(cfg, rank, world)?;
+    let (weights, _) = weights::shard_bytes(cfg, &plan, wsize);
+    Ok((weights, Sizes::new(cfg, &plan, opts)?.bytes(cfg)))
+}
+
 /// Candidates each rank contributes to sampling. Greedy needs only each shard's best; the
 /// sampler looks at no more than [`TOPK_MAX`] tokens in all.
 fn topk_for(p: &SampleParams) -> usize {

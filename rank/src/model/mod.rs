@@ -35,7 +35,7 @@ mod tests;
 
 pub use config::{Arch, Hybrid, LayerKind, Llama3Scaling, ModelConfig};
 pub use error::ModelError;
-pub use forward::{BatchRow, BatchStart, LoadOptions, Model};
+pub use forward::{shard_memory, BatchRow, BatchStart, LoadOptions, Model};
 pub use generate::{generate, GenerateOptions, GenerateStats};
 pub use local::LocalComm;
 pub use sample::SamplerConfig;
