@@ -5,7 +5,7 @@
 #
 # While synth qwen3_5 27b (GPTQ int4 MLP, group 128) and synth llama3-8b bf16 are written in the
 # background: NEW's `tprun selftest` (every kernel against its CPU twin), `qwen35.sh check` (the
-# transformers-built tiny Qwen3.5 and its GPTQ twin at 1 and 4 ranks, graph and eager) and
+# transformers-built tiny Qwen3.5 and its GPTQ twin at 1, 2 and 4 ranks, graph and eager) and
 # `decode.sh stories` (stories260k = reference.json at 1 and 4 ranks, logits against the CPU
 # backend). Then the two decode benchmarks, NEW and BASE alternated, ROUNDS rounds (default 1):
 # the 27B TP=1 (128 tokens) and Llama-3-8B TP=1 (256 after a 128-token prompt), graph + PDL,

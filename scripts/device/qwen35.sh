@@ -3,7 +3,7 @@
 #
 #   scripts/device/qwen35.sh check BIN [BACKEND]   the transformers-built tiny fixtures
 #       (rank/tests/fixtures/qwen35-tiny*, written by scripts/ref_qwen35.py) through the
-#       binary at --ranks 1 and --ranks 4 (MPS on one GPU), graph and eager: the greedy tokens
+#       binary at --ranks 1, 2 and 4 (MPS on one GPU), graph and eager: the greedy tokens
 #       of reference.json exactly and every step's logits within 1e-4 of the largest logit
 #       (1e-3 for the GPTQ twin; TPRUN_QWEN35_GPTQ=0 skips it). BACKEND defaults to cuda (cpu
 #       runs it here).
@@ -54,11 +54,10 @@ ref = json.load(open(f"{d}/reference.json"))
 open(f"{d}/prompt.txt", "w").write(" ".join(f"t{i}" for i in ref["prompt"]))
 PY
     local steps; steps=$(python3 -c "import json;print(len(json.load(open('$dir/reference.json'))['tokens']))")
-    for ranks in 1 4; do
+    for ranks in 1 2 4; do
         for graph in on off; do
             local tag="$name-r$ranks-g$graph" dev=()
-            [ -n "$devices" ] && [ "$ranks" -eq 4 ] && dev=(--devices "$devices")
-            [ -n "$devices" ] && [ "$ranks" -eq 1 ] && dev=(--devices 0)
+            [ -n "$devices" ] && dev=(--devices "$(echo "$devices" | cut -d, -f1-"$ranks")")
             "$bin" --backend "$backend" --ranks "$ranks" "${dev[@]}" --timeout 60 decode --model "$dir" \
                 --prompt-file "$dir/prompt.txt" --temperature 0 --max-new-tokens "$steps" --ignore-eos \
                 --graph "$graph" --kv-dtype f32 --json --dump-logits "$work/$tag.f32" > "$work/$tag.json" 2> "$work/$tag.err" \
