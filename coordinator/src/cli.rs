@@ -12,6 +12,10 @@ use tprun_ipc::control::MAX_RANKS;
 use tprun_kernels::ops::TOPK_MAX;
 use tprun_kernels::IpcMode;
 
+/// The heading the job flags are listed under, in every command's help: they shape the ranks a
+/// command starts (`synth` starts none and refuses them).
+const JOB: &str = "Job options (the ranks a command starts; not synth)";
+
 #[derive(Parser, Debug)]
 #[command(
     name = "tprun",
@@ -28,27 +32,27 @@ fault (tests only)."
 pub struct Cli {
     /// Number of ranks (processes), 1 to 64. Default: one per entry of --devices, else 1
     /// (selftest: 2).
-    #[arg(long, short = 'n', global = true, allow_hyphen_values = true,
+    #[arg(long, short = 'n', global = true, help_heading = JOB, allow_hyphen_values = true,
           value_parser = whole::<usize>(1, MAX_RANKS as u64))]
     pub ranks: Option<usize>,
 
     /// Device layer: auto picks a GPU backend when one is usable, else cpu.
-    #[arg(long, value_enum, default_value_t = BackendArg::Auto, global = true)]
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto, global = true, help_heading = JOB)]
     pub backend: BackendArg,
 
     /// Device of each rank, comma-separated (default 0..N-1). Repeats are allowed:
     /// 0,0,0,0 puts four ranks on one device.
-    #[arg(long, value_delimiter = ',', global = true, allow_negative_numbers = true,
+    #[arg(long, value_delimiter = ',', global = true, help_heading = JOB, allow_negative_numbers = true,
           value_parser = whole::<usize>(0, MAX_DEVICE as u64))]
     pub devices: Option<Vec<usize>>,
 
     /// Seconds any wait may take before the job is declared stalled (exit 4); 0.001 to 86400.
-    #[arg(long, default_value_t = 60.0, global = true, allow_hyphen_values = true,
+    #[arg(long, default_value_t = 60.0, global = true, help_heading = JOB, allow_hyphen_values = true,
           value_parser = seconds)]
     pub timeout: f64,
 
     /// How GPU ranks share buffers: fd (VMM + POSIX fds), legacy (cudaIpc handles), auto.
-    #[arg(long, default_value = "auto", global = true, value_parser = ipc_mode())]
+    #[arg(long, default_value = "auto", global = true, help_heading = JOB, value_parser = ipc_mode())]
     pub ipc: IpcMode,
 
     #[command(subcommand)]
