@@ -13,6 +13,8 @@
 #   scripts/device/decode.sh quick BIN STORIES_DIR    stories260k's checks and the TP=1 speed
 #                                                     modes only
 #   scripts/device/decode.sh stories|selftest|kill BIN [STORIES_DIR]   one section of check
+#   DEADLINE=… scripts/device/decode.sh hf BIN        synth llama3-8b against transformers alone
+#                                                     (32 greedy steps, logits cosine)
 #   scripts/device/decode.sh tp4 BIN                  TP=4 on one GPU alone (synth llama3-8b, one
 #                                                     TP=1 run for its tokens): tok/s, the
 #                                                     allreduces' cost per token
@@ -216,6 +218,7 @@ case "$mode" in
         wait $synth; cat "$out/synth.log"
         sec_tp1 ;;
     perf) sec_synth; sec_tp1; sec_copy; sec_peer; sec_hf; sec_tp4 ;;
+    hf) sec_synth; sec_hf ;;  # synth llama3-8b against transformers alone (needs DEADLINE)
     tp4)
         # TP=4 on one GPU alone (42 s on a warm H100, 2026-12-07): one TP=1 run of sec_tp4's
         # 128 tokens, for its tokens, then sec_tp4.
@@ -235,7 +238,7 @@ case "$mode" in
         sec_stories
         wait $synth; cat "$out/synth.log"
         sec_tp1; sec_copy; sec_hf; sec_peer; sec_tp4; sec_q3; sec_bad; sec_kill; sec_selftest ;;
-    *) echo "usage: decode.sh check|perf|all|quick|tp4|kill|stories|selftest BIN [STORIES_DIR]"; exit 2 ;;
+    *) echo "usage: decode.sh check|perf|all|quick|tp4|hf|kill|stories|selftest BIN [STORIES_DIR]"; exit 2 ;;
 esac
 echo "decode.sh $mode: $([ $status -eq 0 ] && echo PASS || echo FAIL)"
 exit $status
