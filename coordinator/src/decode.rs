@@ -38,7 +38,7 @@ fn bad(m: impl std::fmt::Display) -> JobError {
 
 /// The embedded default model: `synth`'s tiny Llama, which every rank makes in memory
 /// (`synth::in_memory`), so that it never touches the filesystem.
-const DEFAULT_MODEL: SynthOptions = SynthOptions {
+pub(crate) const DEFAULT_MODEL: SynthOptions = SynthOptions {
     arch: Arch::Llama,
     preset: Preset::Tiny,
     dtype: DType::F32,

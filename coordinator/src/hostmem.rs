@@ -70,19 +70,11 @@ pub fn check_model(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tprun_kernels::DType;
     use tprun_rank::model::synth::config_for;
-    use tprun_rank::model::{Arch, Preset, SynthOptions};
 
+    /// The embedded default model's shapes.
     fn tiny() -> ModelConfig {
-        config_for(&SynthOptions {
-            arch: Arch::Llama,
-            preset: Preset::Tiny,
-            dtype: DType::F32,
-            seed: 0,
-            tie_embeddings: None,
-            quant: None,
-        })
+        config_for(&crate::decode::DEFAULT_MODEL)
     }
 
     #[test]
