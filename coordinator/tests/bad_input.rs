@@ -378,6 +378,23 @@ fn decode_flags() {
             1,
             "/etc/hostname",
         ),
+        // A CPU server whose ranks' KV caches cannot fit in this host's memory: refused
+        // before it listens, with the figures.
+        case(
+            &[
+                "--backend",
+                "cpu",
+                "serve",
+                "--port",
+                "0",
+                "--model",
+                m.to_str().unwrap(),
+                "--max-seq",
+                "2000000000",
+            ],
+            1,
+            "GiB of host memory",
+        ),
         Case {
             env: vec![("TPRUN_JOB_TOKEN", "xyz".into())],
             ..case(

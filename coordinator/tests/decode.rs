@@ -468,7 +468,13 @@ fn bad_input_fails_with_one_clear_line() {
     expect_error(&env, &good, 1, &["--max-seq", "0"], "--max-seq");
     // A KV cache that does not fit: one line with the memory it needs, nothing left behind.
     expect_error(&env, &good, 2, &["--max-seq", "5000000000"], "--max-seq");
-    expect_error(&env, &good, 1, &["--max-seq", "2000000000"], "host memory");
+    expect_error(
+        &env,
+        &good,
+        1,
+        &["--max-seq", "2000000000"],
+        "GiB of host memory",
+    );
 
     for d in std::fs::read_dir(&env.dir).unwrap() {
         std::fs::remove_dir_all(d.unwrap().path()).unwrap();
