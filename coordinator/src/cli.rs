@@ -12,9 +12,9 @@ use tprun_ipc::control::MAX_RANKS;
 use tprun_kernels::ops::TOPK_MAX;
 use tprun_kernels::IpcMode;
 
-/// The heading the job flags are listed under, in every command's help: they shape the ranks a
-/// command starts (`synth` starts none and refuses them).
-const JOB: &str = "Job options (the ranks a command starts; not synth)";
+/// The heading the job flags are listed under, in every command's help: they shape the ranks
+/// of the commands that start a job (`synth`, `info` and `rank` refuse what does not apply).
+const JOB: &str = "Job options (decode, serve, bench, selftest)";
 
 #[derive(Parser, Debug)]
 #[command(
