@@ -47,6 +47,13 @@ fn decode(model: &Path, extra: &[&str], code: i32, culprit: &'static str) -> Cas
     c
 }
 
+/// `tprun --backend cpu serve --port 0 <extra>`.
+fn serve(extra: &[&str], code: i32, culprit: &'static str) -> Case {
+    let mut c = case(&["--backend", "cpu", "serve", "--port", "0"], code, culprit);
+    c.args.extend(extra.iter().map(|s| s.to_string()));
+    c
+}
+
 /// Names in /dev/shm that look like ours (tprun keeps shared memory in memfds, never there).
 fn shm_names() -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir("/dev/shm")
@@ -365,52 +372,18 @@ fn decode_flags() {
         decode(m, &["--prompt-file", "/dev/zero"], 1, "larger than"),
         decode(&fifo_model(), &[], 1, "not a regular file"),
         // serve --listen: a path that exists (a file, not ours to remove) or a bad token.
-        case(
-            &[
-                "--backend",
-                "cpu",
-                "serve",
-                "--port",
-                "0",
-                "--listen",
-                "/etc/hostname",
-            ],
-            1,
-            "/etc/hostname",
-        ),
+        serve(&["--listen", "/etc/hostname"], 1, "/etc/hostname"),
+        Case {
+            env: vec![("TPRUN_JOB_TOKEN", "xyz".into())],
+            ..serve(&["--listen", "/nonexistent/s"], 2, "TPRUN_JOB_TOKEN")
+        },
         // A CPU server whose ranks' KV caches cannot fit in this host's memory: refused
         // before it listens, with the figures.
-        case(
-            &[
-                "--backend",
-                "cpu",
-                "serve",
-                "--port",
-                "0",
-                "--model",
-                m.to_str().unwrap(),
-                "--max-seq",
-                "2000000000",
-            ],
+        serve(
+            &["--model", m.to_str().unwrap(), "--max-seq", "2000000000"],
             1,
             "GiB of host memory",
         ),
-        Case {
-            env: vec![("TPRUN_JOB_TOKEN", "xyz".into())],
-            ..case(
-                &[
-                    "--backend",
-                    "cpu",
-                    "serve",
-                    "--port",
-                    "0",
-                    "--listen",
-                    "/nonexistent/s",
-                ],
-                2,
-                "TPRUN_JOB_TOKEN",
-            )
-        },
         case(
             &["rank", "--join", "@x", "--rank", "0", "--device", "-1"],
             2,
