@@ -164,7 +164,7 @@ PY
 }
 if [ "${TP4:-0}" = 1 ]; then
     tprun_devices 4
-    trap 'rm -rf "$q" "$l"; [ -z "${CUDA_MPS_PIPE_DIRECTORY:-}" ] || { echo quit | nvidia-cuda-mps-control; echo "MPS daemon stopped"; }' EXIT
+    trap 'rm -rf "$q" "$l"; tprun_mps_stop' EXIT
     echo "== TP=4 on one GPU (NEW): with and without its allreduces"
     [ $llama = 1 ] && tp4 l8b-tp4 "$out/l8b-r1-0.json" $l --prompt-file /tmp/prompt.txt --max-new-tokens 256
     [ $q35 = 1 ] && tp4 q35-tp4 "$out/q35-r1-0.json" $q --prompt "Once upon a time, in a land far away" --max-new-tokens 128

@@ -5,6 +5,8 @@
 #                           ranks on GPU 0 with the CUDA MPS daemon started (without MPS the
 #                           ranks' kernels time-slice and every cross-rank wait costs ms) and
 #                           stopped at exit; sets $ngpu
+#   tprun_mps_stop          stops that MPS daemon (no-op when it was not started): tprun_devices'
+#                           EXIT trap; a script that sets its own EXIT trap after it calls it
 #   tprun_mps_restart       stops and restarts that MPS daemon (no-op when it was not started)
 #   tprun_job BIN RANKS [TIMEOUT_S]
 #                           all a CUDA job needs: the kernel cache ($TPRUN_KERNEL_CACHE, else
@@ -87,8 +89,14 @@ tprun_devices() {
         export CUDA_MPS_PIPE_DIRECTORY=/tmp/tprun-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/tprun-mps-log
         mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
         nvidia-cuda-mps-control -d && echo "only $ngpu GPU(s): $ranks ranks share GPU 0 under MPS"
-        trap 'echo quit | nvidia-cuda-mps-control; echo "MPS daemon stopped"' EXIT
+        trap tprun_mps_stop EXIT
     fi
+}
+
+tprun_mps_stop() {
+    [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] || return 0
+    echo quit | nvidia-cuda-mps-control
+    echo "MPS daemon stopped"
 }
 
 tprun_mps_restart() {

@@ -119,7 +119,7 @@ cleanup() {
     [ ${#synth_pids[@]} -eq 0 ] || wait "${synth_pids[@]}" 2>/dev/null
     for p in "${to_synth[@]}"; do model_done "$p"; rm -f "$models_dir/$p.rc" "$models_dir/$p.pid"; done
     rmdir "$models_dir" 2>/dev/null
-    if [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then echo quit | nvidia-cuda-mps-control; echo "MPS daemon stopped"; fi
+    tprun_mps_stop
 }
 trap cleanup EXIT
 

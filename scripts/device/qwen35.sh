@@ -31,7 +31,7 @@ if [ "$backend" = cuda ]; then
     tprun_nvrtc_link
     tprun_devices 4
     # tprun_devices' EXIT trap stops the MPS daemon it started; remove the scratch too.
-    trap 'rm -rf "$work"; [ -z "${CUDA_MPS_PIPE_DIRECTORY:-}" ] || { echo quit | nvidia-cuda-mps-control; echo "MPS daemon stopped"; }' EXIT
+    trap 'rm -rf "$work"; tprun_mps_stop' EXIT
 else
     devices=""
     trap 'rm -rf "$work"' EXIT
